@@ -1,0 +1,88 @@
+// pddcore._C: exports only. Logic lives in csrc/kv, csrc/transport and the headers.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "../kv/pack.h"
+#include "../transport/rdma/verbs_probe.h"
+#include "pddcore/crc32c.h"
+#include "pddcore/kv_layout.h"
+
+namespace nb = nanobind;
+using namespace pddcore;
+
+namespace {
+
+using PlaneTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>;
+using ByteBuffer = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>;
+using IdArray = nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+kv::PageIds page_ids_of(const IdArray& ids) {
+  const bool i64 = ids.dtype() == nb::dtype<int64_t>();
+  if (!i64 && ids.dtype() != nb::dtype<int32_t>()) throw std::invalid_argument("page_ids must be int32 or int64");
+  return {ids.data(), ids.shape(0), i64};
+}
+
+void run(const KVLayoutDesc& layout, const IdArray& ids, ByteBuffer buf, std::vector<int64_t> layers, uint64_t h0,
+         uint64_t h1, bool on_cuda, uintptr_t stream, kv::Direction dir) {
+  kv::PackRequest req{&layout, page_ids_of(ids), std::move(layers), {h0, h1}, buf.data(), buf.shape(0)};
+  if (on_cuda)
+    kv::run_cuda(req, dir, stream);
+  else
+    kv::run_cpu(req, dir);
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "pddcore native core";
+
+  nb::class_<KVLayoutDesc>(m, "KVLayoutDesc")
+      .def(
+          "__init__",
+          [](KVLayoutDesc* self, const std::vector<PlaneTuple>& planes, uint32_t planes_per_layer) {
+            std::vector<PlaneDesc> descs;
+            for (const auto& [base, num_pages, stride, tokens, heads, head_bytes] : planes)
+              descs.push_back({base, num_pages, stride, tokens, heads, head_bytes});
+            new (self) KVLayoutDesc(std::move(descs), planes_per_layer);
+          },
+          nb::arg("planes"), nb::arg("planes_per_layer"))
+      .def_prop_ro("num_layers", &KVLayoutDesc::num_layers)
+      .def_prop_ro("planes_per_layer", &KVLayoutDesc::planes_per_layer)
+      .def(
+          "packed_nbytes",
+          [](const KVLayoutDesc& l, uint64_t n, std::vector<int64_t> layers, uint64_t h0, uint64_t h1) {
+            return l.packed_nbytes(n, layers, {h0, h1});
+          },
+          nb::arg("num_pages"), nb::arg("layers"), nb::arg("h0"), nb::arg("h1"));
+
+  const auto dir_fn = [](kv::Direction dir) {
+    return [dir](const KVLayoutDesc& l, const IdArray& ids, ByteBuffer buf, std::vector<int64_t> layers, uint64_t h0,
+                 uint64_t h1, bool on_cuda, uintptr_t stream) { run(l, ids, buf, std::move(layers), h0, h1, on_cuda, stream, dir); };
+  };
+  m.def("pack", dir_fn(kv::Direction::kPack), nb::arg("layout"), nb::arg("page_ids"), nb::arg("buf").noconvert(),
+        nb::arg("layers"), nb::arg("h0"), nb::arg("h1"), nb::arg("on_cuda"), nb::arg("stream"),
+        nb::call_guard<nb::gil_scoped_release>());
+  m.def("unpack", dir_fn(kv::Direction::kUnpack), nb::arg("layout"), nb::arg("page_ids"), nb::arg("buf").noconvert(),
+        nb::arg("layers"), nb::arg("h0"), nb::arg("h1"), nb::arg("on_cuda"), nb::arg("stream"),
+        nb::call_guard<nb::gil_scoped_release>());
+
+  m.def("set_num_threads", &kv::set_cpu_threads, nb::arg("n"));
+  m.def("get_num_threads", &kv::cpu_threads);
+  m.def("cuda_compiled", &kv::cuda_compiled);
+  m.def("cuda_unusable_reason", &kv::cuda_unusable_reason);
+  m.def("cuda_device_count", &kv::cuda_device_count);
+
+  m.def(
+      "crc32c",
+      [](nb::bytes data, uint32_t crc) { return crc32c(data.c_str(), data.size(), crc); },
+      nb::arg("data"), nb::arg("crc") = 0);
+  m.def("crc32c_hardware", &crc32c_hardware);
+
+  m.def("probe_verbs", [] {
+    const rdma::VerbsProbe p = rdma::probe_verbs();
+    return std::make_tuple(p.library_loaded, p.device_count, p.detail);
+  });
+}

@@ -1,0 +1,1 @@
+"""Adapters that plug pddcore into inference engines (vLLM, SGLang)."""

@@ -1,0 +1,1 @@
+"""Helpers for testing PDD systems on one machine (WAN emulation)."""

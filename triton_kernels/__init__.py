@@ -1,0 +1,1 @@
+"""Triton kernels behind `pddcore.kernels` (installed as `pddcore.triton_kernels`)."""
