@@ -1,0 +1,90 @@
+"""pack / unpack throughput against a contiguous copy of the same bytes.
+
+Each case builds a K/V pool whose pages have the given size, packs a random
+permutation of half its pages (so no two ids are adjacent and nothing coalesces), and
+compares GB/s with ``torch.Tensor.copy_`` of the same number of contiguous bytes, with
+torch's ``index_select(..., out=)`` per plane and with a naive ``index_select`` + ``cat``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+import pddcore
+
+from .timing import best_seconds
+
+PAGE_BYTES = (2 << 10, 32 << 10, 256 << 10)
+THREADS = (1, 2)
+
+
+@dataclass
+class PackResult:
+    page_bytes: int
+    threads: int
+    total_bytes: int
+    copy_gbps: float
+    pack_gbps: float
+    unpack_gbps: float
+    index_select_out_gbps: float
+    naive_gbps: float
+
+    @property
+    def pack_ratio(self) -> float:
+        return self.pack_gbps / self.copy_gbps
+
+    @property
+    def unpack_ratio(self) -> float:
+        return self.unpack_gbps / self.copy_gbps
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "pack_ratio": self.pack_ratio, "unpack_ratio": self.unpack_ratio,
+                "index_select_out_ratio": self.index_select_out_gbps / self.copy_gbps,
+                "naive_ratio": self.naive_gbps / self.copy_gbps}
+
+
+def run_case(page_bytes: int, threads: int, total_bytes: int = 64 << 20, layers: int = 2) -> PackResult:
+    """Measures one (page size, thread count) point; ``total_bytes`` is what one pack moves."""
+    planes = 2 * layers
+    pages_moved = max(1, total_bytes // (planes * page_bytes))
+    pool_pages = 2 * pages_moved
+    elems = page_bytes // 2  # fp16 elements per page
+    k = [torch.randn(pool_pages, elems, dtype=torch.float16) for _ in range(layers)]
+    v = [torch.randn(pool_pages, elems, dtype=torch.float16) for _ in range(layers)]
+    layout = pddcore.KVLayout.from_tensors(k, v)
+    ids = torch.randperm(pool_pages)[:pages_moved]
+    moved = layout.packed_nbytes(len(ids))
+    buf = torch.empty(moved, dtype=torch.uint8)
+    src = torch.randn(moved // 2, dtype=torch.float16).view(torch.uint8)
+    dst = torch.empty_like(src)
+    per_plane = [torch.empty(pages_moved, elems, dtype=torch.float16) for _ in range(planes)]
+    all_planes = [t for pair in zip(k, v) for t in pair]
+
+    old_pdd, old_torch = pddcore.get_num_threads(), torch.get_num_threads()
+    pddcore.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    try:
+        gbps = lambda seconds: moved / seconds / 1e9  # noqa: E731
+        copy = gbps(best_seconds(lambda: dst.copy_(src)))
+        packed = gbps(best_seconds(lambda: pddcore.pack(layout, ids, out=buf)))
+        unpacked = gbps(best_seconds(lambda: pddcore.unpack(layout, ids, buf)))
+        index_out = gbps(best_seconds(
+            lambda: [torch.index_select(p, 0, ids, out=o) for p, o in zip(all_planes, per_plane)]))
+        naive = gbps(best_seconds(
+            lambda: torch.cat([p.index_select(0, ids).view(-1) for p in all_planes]), repeats=3))
+    finally:
+        pddcore.set_num_threads(old_pdd)
+        torch.set_num_threads(old_torch)
+    return PackResult(page_bytes, threads, moved, copy, packed, unpacked, index_out, naive)
+
+
+def format_table(results: list[PackResult]) -> str:
+    lines = [f"{'page':>8} {'thr':>3} {'copy GB/s':>9} {'pack':>6} {'unpack':>6} {'idx_sel(out)':>12} {'naive':>6}"
+             "   (ratios to copy)"]
+    for r in results:
+        d = r.as_dict()
+        lines.append(f"{r.page_bytes // 1024:>6}Ki {r.threads:>3} {r.copy_gbps:>9.2f} {d['pack_ratio']:>6.2f} "
+                     f"{d['unpack_ratio']:>6.2f} {d['index_select_out_ratio']:>12.2f} {d['naive_ratio']:>6.2f}")
+    return "\n".join(lines)

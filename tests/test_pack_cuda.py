@@ -1,0 +1,58 @@
+"""CUDA pack/unpack: one kernel, device or pinned-host buffers. Skips without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pddcore import KVLayout, _C, pack, unpack
+
+from test_pack import make_pool, reference_pack
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+    pytest.mark.skipif(not _C.cuda_compiled(), reason="pddcore was built without CUDA"),
+]
+
+
+def to_cuda(k, v):
+    return [t.cuda() for t in k], None if v is None else [t.cuda() for t in v]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", [None, (1, 3)])
+def test_cuda_pack_matches_cpu_reference(dtype, page_size, heads):
+    k, v = make_pool(3, 41, page_size, 4, 24, dtype)
+    ck, cv = to_cuda(k, v)
+    layout = KVLayout.from_tensors(ck, cv)
+    ids = torch.tensor([40, 3, 4, 5, 5, 0, 17], dtype=torch.int64)
+    got = pack(layout, ids.cuda(), heads=heads)
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), reference_pack(k, v, ids, heads=heads))
+
+
+def test_cuda_pack_into_pinned_host_and_unpack_from_it():
+    k, v = make_pool(2, 33, 16, 8, 128, torch.float16)
+    ck, cv = to_cuda(k, v)
+    layout = KVLayout.from_tensors(ck, cv)
+    ids = torch.arange(5, 30)
+    host = torch.empty(layout.packed_nbytes(len(ids)), dtype=torch.uint8).pin_memory()
+    pack(layout, ids, out=host)
+    torch.cuda.synchronize()
+    assert torch.equal(host, reference_pack(k, v, ids))
+
+    dk, dv = to_cuda(*make_pool(2, 33, 16, 8, 128, torch.float16, seed=9))
+    dst = KVLayout.from_tensors(dk, dv)
+    unpack(dst, torch.arange(len(ids)), host)
+    torch.cuda.synchronize()
+    for a, b in zip(ck + cv, dk + dv):
+        assert torch.equal(a[ids].cpu(), b[: len(ids)].cpu())
+
+
+def test_cuda_rejects_pageable_host_buffer():
+    k, v = to_cuda(*make_pool(1, 4, 1, 2, 8, torch.float32))
+    layout = KVLayout.from_tensors(k, v)
+    with pytest.raises(ValueError, match="pageable"):
+        pack(layout, torch.tensor([0]), out=torch.empty(layout.packed_nbytes(1), dtype=torch.uint8))
