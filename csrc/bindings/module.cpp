@@ -7,6 +7,7 @@
 
 #include "../kv/pack.h"
 #include "../transport/rdma/verbs_probe.h"
+#include "../wan/delay_line.h"
 #include "pddcore/crc32c.h"
 #include "pddcore/kv_layout.h"
 
@@ -85,4 +86,16 @@ NB_MODULE(_C, m) {
     const rdma::VerbsProbe p = rdma::probe_verbs();
     return std::make_tuple(p.library_loaded, p.device_count, p.detail);
   });
+
+  m.def("delay_line_stat_names", &wan::delay_line_stat_names);
+  m.def(
+      "run_delay_line",
+      [](int fd_a, int fd_b, int stop_fd, uint64_t delay_ns, uint64_t jitter_ns, double loss, uint64_t seed,
+         size_t queue_bytes, nb::ndarray<uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> stats, int cpu) {
+        wan::run_delay_line({fd_a, fd_b, stop_fd, delay_ns, jitter_ns, loss, seed, queue_bytes, cpu}, stats.data(),
+                            stats.shape(0));
+      },
+      nb::arg("fd_a"), nb::arg("fd_b"), nb::arg("stop_fd"), nb::arg("delay_ns"), nb::arg("jitter_ns"), nb::arg("loss"),
+      nb::arg("seed"), nb::arg("queue_bytes"), nb::arg("stats").noconvert(), nb::arg("cpu") = -1,
+      nb::call_guard<nb::gil_scoped_release>());
 }

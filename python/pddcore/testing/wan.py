@@ -1,0 +1,468 @@
+"""A WAN link on one machine: two network namespaces joined through a bandwidth cap
+(`tc tbf`) and a propagation delay (a C++ delay line between two TUN devices), so that
+kernel TCP between them sees a real bottleneck and a real round-trip time (slow start,
+window growth, queueing, retransmits).
+
+Topology (``<tag>`` is unique per link)::
+
+    pddwan-<tag>-a              pddwan-<tag>-m                           pddwan-<tag>-b
+    wan0 10.201.1.1 --veth-- to-a -> [tbf] dl-ab ==delay line==> dl-ba -> to-b --veth-- wan0 10.201.2.1
+                                to-a <- dl-ab <==delay line== [tbf] dl-ba <- to-b
+
+In the middle namespace, policy routing sends whatever arrives from ``to-a`` into the
+TUN device ``dl-ab`` (whose tbf qdisc is the a->b bottleneck with its queue); the delay
+line reads it there and, once the packet is due, writes it into ``dl-ba``, from where the
+kernel forwards it to ``b``. The b->a direction is the mirror image. Both directions get
+the same rate, delay, jitter and loss.
+
+Example::
+
+    from pddcore.testing.wan import WanLink
+
+    with WanLink(rate="1gbit", delay_ms=25) as link:          # RTT 50 ms, 1 Gbit/s each way
+        server = link.b.spawn(my_server, port=9000)           # Python callable inside b
+        link.a.call(my_client, link.b.address, 9000)          # ... and inside a
+        link.a.run(["ip", "addr"])                            # a command inside a
+        print(link.stats().a_to_b.forwarded_packets)
+
+API in short:
+
+- ``WanLink(rate="1gbit", delay_ms=25, jitter_ms=0, loss=0.0, *, mtu=1500, buffer_ms=None,
+  seed=None, name=None, delay_line_cpu=None)``; ``rate`` is a tc-style string
+  ("100mbit", "10gbit", "500kbit"; "Mbps"-style means bytes/s as in tc), an int in bit/s,
+  or None for no cap. ``delay_ms`` is the one-way delay (RTT = 2 x delay_ms). ``jitter_ms``
+  (<= delay_ms) spreads each packet's one-way delay uniformly over
+  [delay - jitter, delay + jitter] without ever reordering packets (a packet is never
+  released before the one ahead of it, so at high packet rates delays cluster near the
+  upper bound). ``loss`` drops each packet independently with that probability.
+  ``buffer_ms`` sizes the bottleneck queue as time at line rate (default
+  max(2 x (delay + jitter), 10) ms, about one bandwidth-delay product, what loss-based TCP
+  needs for full rate). ``seed`` makes jitter/loss draws reproducible.
+- Entering (or ``open()``) builds everything and returns the link; leaving (or
+  ``close()``) tears everything down, also after an exception, Ctrl-C, or SIGTERM (a
+  SIGTERM handler is installed while the link is open if the program has none). A link
+  left behind by a killed process is removed by the next WanLink that starts on the
+  machine (or by ``pddcore wan down``).
+- ``link.a`` / ``link.b`` (:class:`Endpoint`): ``netns``, ``address``, ``interface``,
+  ``run(cmd)`` (``ip netns exec``; returns CompletedProcess), ``popen(cmd)``,
+  ``call(fn, *args)`` (runs a Python callable in a forked child inside the namespace and
+  returns its result), ``spawn(fn, *args)`` (same, in the background: a
+  :class:`~pddcore.testing.netns.NamespaceProcess` with ``result(timeout)``/``kill()``).
+  Anything started in a namespace is killed at teardown.
+- ``link.stats()`` -> :class:`~pddcore.testing.delay_line.DelayLineStats` (per direction:
+  received / forwarded / dropped_loss / dropped_overflow packets, queue depth);
+  ``link.delay_line_pid``; ``link.rtt_ms``; ``link.rate_bps``.
+
+Inside a and b, tcp_rmem/tcp_wmem allow 64 MiB so TCP autotuning can fill a 10 Gbit/s x
+50 ms pipe: let autotuning work (don't set SO_RCVBUF/SO_SNDBUF, which net.core.rmem_max
+caps). Needs root, `ip`/`tc` (iproute2) and /dev/net/tun; otherwise WanUnavailable says
+what is missing. Callables run in forked children: call from the main thread of a process
+that can fork safely. A link is owned by the thread that opened it: attached helper
+processes die when that thread's process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+from . import delay_line, netns
+from .delay_line import DelayLineStats
+from .netns import NamespaceCallError, NamespaceError, NamespaceProcess
+
+__all__ = ["WanLink", "Endpoint", "WanUnavailable", "NamespaceError", "NamespaceCallError", "NamespaceProcess",
+           "DelayLineStats", "parse_rate", "unavailable_reason", "cleanup_stale", "teardown", "list_links"]
+
+NS_PREFIX = "pddwan-"
+A_ADDRESS, B_ADDRESS = "10.201.1.1", "10.201.2.1"
+_A_GATEWAY, _B_GATEWAY = "10.201.1.254", "10.201.2.254"
+_TCP_BUFFER_MAX = 64 << 20
+_NAME_RE = re.compile(r"^[a-z0-9]{1,20}$")
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_RATE_UNITS = {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+_counter = iter(range(1 << 62))
+_counter_lock = threading.Lock()
+
+
+class WanUnavailable(RuntimeError):
+    """This machine or process cannot build a WAN link (not root, no /dev/net/tun, no iproute2)."""
+
+
+def state_dir() -> str:
+    """Where links record their owner and counters (/run/pddcore-wan, else under the temp dir)."""
+    return "/run/pddcore-wan" if os.path.isdir("/run") and os.access("/run", os.W_OK) else os.path.join(
+        tempfile.gettempdir(), "pddcore-wan")
+
+
+def unavailable_reason() -> str | None:
+    """Why a WanLink cannot be built here, or None when it can."""
+    if os.geteuid() != 0:
+        return "the WAN emulator needs root (network namespaces, TUN devices, tc)"
+    if not os.path.exists("/dev/net/tun"):
+        return "the WAN emulator needs /dev/net/tun (TUN driver)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the WAN emulator needs the `{tool}` tool (iproute2)"
+    return None
+
+
+def parse_rate(rate: str | int | None) -> int | None:
+    """Bits per second from a tc-style rate ("1gbit", "100mbit", "12.5MBps" = bytes/s),
+    an int (bit/s), or None (no cap)."""
+    if rate is None:
+        return None
+    if isinstance(rate, bool) or not isinstance(rate, (int, str)):
+        raise TypeError(f"rate must be a string like '1gbit', an int in bit/s or None, not {type(rate).__name__}")
+    if isinstance(rate, int):
+        bits = rate
+    else:
+        match = _RATE_RE.match(rate)
+        unit = match.group(2).lower() if match else None
+        if unit not in _RATE_UNITS:
+            raise ValueError(f"rate {rate!r} not understood: use a number with bit, kbit, mbit, gbit, tbit "
+                             "(or bps, kbps, mbps, gbps for bytes/s)")
+        bits = int(float(match.group(1)) * _RATE_UNITS[unit])
+    if bits < 8000:
+        raise ValueError(f"rate {rate!r} is below 8 kbit/s")
+    return bits
+
+
+class Endpoint:
+    """One end of a WanLink: its namespace, address, and ways to run things in it."""
+
+    def __init__(self, link: "WanLink", side: str, netns_name: str, address: str, peer_address: str):
+        self._link = link
+        self.side = side
+        self.netns = netns_name
+        self.address = address
+        self.peer_address = peer_address
+        self.interface = "wan0"
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.side}: {self.address} in {self.netns})"
+
+    def _argv(self, cmd: str | Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *(["sh", "-c", cmd] if isinstance(cmd, str) else cmd)]
+
+    def run(self, cmd: str | Sequence[str], *, check: bool = True, capture_output: bool = True, text: bool = True,
+            **kwargs: Any) -> subprocess.CompletedProcess:
+        """Runs a command (argv list, or a string for `sh -c`) inside this namespace and waits."""
+        return subprocess.run(self._argv(cmd), check=check, capture_output=capture_output, text=text, **kwargs)
+
+    def popen(self, cmd: str | Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Starts a command inside this namespace (killed at teardown if still running)."""
+        return subprocess.Popen(self._argv(cmd), **kwargs)
+
+    def spawn(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NamespaceProcess:
+        """Runs `fn(*args, **kwargs)` in a forked child inside this namespace; returns at once."""
+        return self._link._track(netns.spawn_in(self.netns, fn, *args, **kwargs))
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Runs `fn(*args, **kwargs)` inside this namespace and returns its (picklable) result.
+        On timeout the child is killed and TimeoutError raised."""
+        proc = self.spawn(fn, *args, **kwargs)
+        try:
+            return proc.result(timeout)
+        except TimeoutError:
+            proc.kill()
+            raise
+
+
+class WanLink:
+    """Two namespaces joined by an emulated WAN link; see the module docstring."""
+
+    def __init__(self, rate: str | int | None = "1gbit", delay_ms: float = 25.0, jitter_ms: float = 0.0,
+                 loss: float = 0.0, *, mtu: int = 1500, buffer_ms: float | None = None, seed: int | None = None,
+                 name: str | None = None, delay_line_cpu: int | None = None):
+        self.rate_bps = parse_rate(rate)
+        for label, value in (("delay_ms", delay_ms), ("jitter_ms", jitter_ms)):
+            if not 0 <= float(value) <= 60_000:
+                raise ValueError(f"{label} must be within [0, 60000], got {value!r}")
+        if jitter_ms > delay_ms:
+            raise ValueError(f"jitter_ms ({jitter_ms}) must not exceed delay_ms ({delay_ms}): delays stay >= 0")
+        if not 0.0 <= float(loss) < 1.0:
+            raise ValueError(f"loss must be a probability in [0, 1), got {loss!r}")
+        if not 576 <= int(mtu) <= 65000:
+            raise ValueError(f"mtu must be within [576, 65000], got {mtu!r}")
+        if buffer_ms is not None and not float(buffer_ms) > 0:
+            raise ValueError(f"buffer_ms must be positive, got {buffer_ms!r}")
+        if name is not None and not _NAME_RE.match(name):
+            raise ValueError(f"name must be 1-20 characters of [a-z0-9], got {name!r}")
+        if delay_line_cpu is not None and not 0 <= delay_line_cpu < (os.cpu_count() or 1):
+            raise ValueError(f"delay_line_cpu must name one of the {os.cpu_count()} CPUs, got {delay_line_cpu!r}")
+        self.delay_ms = float(delay_ms)
+        self.jitter_ms = float(jitter_ms)
+        self.loss = float(loss)
+        self.mtu = int(mtu)
+        self.buffer_ms = float(buffer_ms) if buffer_ms is not None else max(2 * (self.delay_ms + self.jitter_ms), 10.0)
+        self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)
+        self.delay_line_cpu = delay_line_cpu
+        if name is None:
+            with _counter_lock:
+                name = f"{os.getpid()}x{next(_counter)}"
+        self.name = name
+        self.a = Endpoint(self, "a", f"{NS_PREFIX}{name}-a", A_ADDRESS, B_ADDRESS)
+        self.b = Endpoint(self, "b", f"{NS_PREFIX}{name}-b", B_ADDRESS, A_ADDRESS)
+        self.middle_netns = f"{NS_PREFIX}{name}-m"
+        self.delay_line_pid: int | None = None
+        self._children: list[NamespaceProcess] = []
+        self._open = False
+        self._previous_sigterm: Any = None
+
+    # -- public --------------------------------------------------------------------------
+
+    @property
+    def rtt_ms(self) -> float:
+        """Configured round-trip propagation time (without queueing)."""
+        return 2 * self.delay_ms
+
+    @property
+    def namespaces(self) -> tuple[str, str, str]:
+        """(a, middle, b) namespace names."""
+        return self.a.netns, self.middle_netns, self.b.netns
+
+    @property
+    def stats_path(self) -> str:
+        return os.path.join(state_dir(), f"{self.name}.stats")
+
+    def stats(self) -> DelayLineStats:
+        """The delay line's counters (readable also after the delay line died)."""
+        return delay_line.read_stats(self.stats_path)
+
+    def __enter__(self) -> "WanLink":
+        return self.open()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        rate = f"{self.rate_bps / 1e6:g} Mbit/s" if self.rate_bps else "uncapped"
+        return (f"WanLink({self.name}: {rate}, delay {self.delay_ms:g} ms, jitter {self.jitter_ms:g} ms, "
+                f"loss {self.loss:g}, {'open' if self._open else 'closed'})")
+
+    def open(self, *, detach: bool = False) -> "WanLink":
+        """Builds the link. `detach=True` leaves it up after this process exits (the delay line
+        then owns it; `teardown(name)` or `pddcore wan down` removes it)."""
+        if self._open:
+            raise RuntimeError(f"{self!r} is already open")
+        reason = unavailable_reason()
+        if reason:
+            raise WanUnavailable(reason)
+        cleanup_stale()
+        with _state_lock():
+            if any(netns.exists(ns) for ns in self.namespaces) or os.path.exists(_state_path(self.name)):
+                raise NamespaceError(f"a WAN link named {self.name!r} is already up (pddcore wan down --name {self.name})")
+            self._write_state(owner=os.getpid())
+        self._open = True
+        if not detach:
+            atexit.register(self.close)
+            self._install_sigterm_handler()
+        try:
+            self._build(detach)
+        except BaseException:
+            self.close()
+            raise
+        if detach:
+            self._write_state(owner=self.delay_line_pid)
+            self._open = False  # this object no longer owns it
+        return self
+
+    def close(self) -> None:
+        """Tears everything down: processes in the namespaces, the namespaces (and with them
+        the veth pairs and TUN devices), the state files. Safe to call twice."""
+        if not self._open:
+            return
+        self._open = False
+        atexit.unregister(self.close)
+        try:
+            for child in self._children:
+                child.kill()
+            self._children.clear()
+            teardown(self.name)
+        finally:
+            self._restore_sigterm_handler()
+
+    # -- building ------------------------------------------------------------------------
+
+    def _build(self, detach: bool) -> None:
+        ns_a, ns_m, ns_b = self.namespaces
+        netns.ip_batch([f"netns add {ns}" for ns in self.namespaces])
+        for ns in self.namespaces:
+            _sysctl(ns, {"net.ipv6.conf.all.disable_ipv6": 1, "net.ipv6.conf.default.disable_ipv6": 1})
+        _sysctl(ns_m, {"net.ipv4.ip_forward": 1, "net.ipv4.conf.all.rp_filter": 0,
+                       "net.ipv4.conf.default.rp_filter": 0})
+        tcp_buffers = {"net.ipv4.tcp_rmem": f"4096 131072 {_TCP_BUFFER_MAX}",
+                       "net.ipv4.tcp_wmem": f"4096 16384 {_TCP_BUFFER_MAX}"}
+        _sysctl(ns_a, tcp_buffers)
+        _sysctl(ns_b, tcp_buffers)
+        netns.ip_batch([
+            "link set lo up",
+            f"link add to-a mtu {self.mtu} type veth peer name wan0 mtu {self.mtu} netns {ns_a}",
+            f"link add to-b mtu {self.mtu} type veth peer name wan0 mtu {self.mtu} netns {ns_b}",
+            f"addr add {_A_GATEWAY}/24 dev to-a",
+            f"addr add {_B_GATEWAY}/24 dev to-b",
+            "link set to-a up",
+            "link set to-b up",
+        ], ns_m)
+        for ep, gateway in ((self.a, _A_GATEWAY), (self.b, _B_GATEWAY)):
+            netns.ip_batch(["link set lo up", f"addr add {ep.address}/24 dev wan0", "link set wan0 up",
+                            f"route add default via {gateway}"], ep.netns)
+
+        delay_line.create_stats_file(self.stats_path)
+        self.delay_line_pid = delay_line.start(delay_line.DelayLineConfig(
+            netns=ns_m, tun_a="dl-ab", tun_b="dl-ba", delay_ns=round(self.delay_ms * 1e6),
+            jitter_ns=round(self.jitter_ms * 1e6), loss=self.loss, seed=self.seed,
+            queue_bytes=self._delay_queue_bytes(), stats_path=self.stats_path,
+            cpu=-1 if self.delay_line_cpu is None else self.delay_line_cpu), detach=detach)
+        self._write_state(owner=os.getpid())
+
+        # Whatever enters from one end goes into the TUN device of that direction; what the
+        # delay line writes into a TUN device is routed normally (main table) to the far end.
+        netns.ip_batch([
+            # A long device queue rides out moments when the delay line is not scheduled.
+            f"link set dl-ab mtu {self.mtu} txqueuelen 10000 up", f"link set dl-ba mtu {self.mtu} txqueuelen 10000 up",
+            "rule add iif to-a lookup 100 pref 100", "rule add iif to-b lookup 101 pref 101",
+            "route add default dev dl-ab table 100", "route add default dev dl-ba table 101",
+        ], ns_m)
+        _sysctl(ns_m, {"net.ipv4.conf.dl-ab.rp_filter": 0, "net.ipv4.conf.dl-ba.rp_filter": 0})
+        if self.rate_bps:
+            rate_bytes = self.rate_bps / 8
+            burst = max(int(rate_bytes * 1e-3), 4 * self.mtu)  # 1 ms of tokens: timer slack costs no rate
+            limit = max(int(rate_bytes * self.buffer_ms * 1e-3), 2 * burst)
+            for dev in ("dl-ab", "dl-ba"):
+                netns.run_tool(["tc", "-n", ns_m, "qdisc", "replace", "dev", dev, "root", "tbf",
+                                "rate", f"{self.rate_bps}bit", "burst", str(burst), "limit", str(limit)])
+
+    def _delay_queue_bytes(self) -> int:
+        # Holds everything in flight through the delay at line rate (10 Gbit/s when uncapped).
+        rate_bytes = (self.rate_bps or 10_000_000_000) / 8
+        in_flight = rate_bytes * (self.delay_ms + self.jitter_ms) * 1e-3
+        return int(min(max(2 * in_flight + (4 << 20), 8 << 20), 1 << 31))
+
+    def _track(self, proc: NamespaceProcess) -> NamespaceProcess:
+        if not self._open:
+            proc.kill()
+            raise RuntimeError(f"{self!r} is not open")
+        self._children.append(proc)
+        return proc
+
+    def _write_state(self, owner: int | None) -> None:
+        state = {"name": self.name, "owner_pid": owner, "owner_start": netns.pid_start_time(owner),
+                 "delay_line_pid": self.delay_line_pid, "namespaces": list(self.namespaces),
+                 "rate_bps": self.rate_bps, "delay_ms": self.delay_ms, "jitter_ms": self.jitter_ms,
+                 "loss": self.loss, "mtu": self.mtu, "buffer_ms": self.buffer_ms,
+                 "addresses": {"a": self.a.address, "b": self.b.address}}
+        os.makedirs(state_dir(), exist_ok=True)
+        tmp = _state_path(self.name) + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, _state_path(self.name))
+
+    def _install_sigterm_handler(self) -> None:
+        # SIGTERM's default action skips `finally`; turn it into SystemExit so teardown runs.
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _raise_system_exit)
+            self._previous_sigterm = signal.SIG_DFL
+
+    def _restore_sigterm_handler(self) -> None:
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is _raise_system_exit:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        self._previous_sigterm = None
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _sysctl(ns: str, values: dict[str, Any]) -> None:
+    # -e: a kernel without IPv6 has no ipv6 keys; that is fine.
+    netns.run_tool(["ip", "netns", "exec", ns, "sysctl", "-q", "-e", "-w", *(f"{k}={v}" for k, v in values.items())])
+
+
+def _state_path(name: str) -> str:
+    return os.path.join(state_dir(), f"{name}.json")
+
+
+@contextmanager
+def _state_lock() -> Iterator[None]:
+    os.makedirs(state_dir(), exist_ok=True)
+    with open(os.path.join(state_dir(), ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def read_state(name: str) -> dict | None:
+    """The recorded configuration and owner of link `name`, or None."""
+    try:
+        with open(_state_path(name)) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def list_links() -> list[str]:
+    """Names of all WAN links on this machine (namespaces or state files present)."""
+    names = {ns[len(NS_PREFIX):-2] for ns in netns.list_namespaces()
+             if ns.startswith(NS_PREFIX) and ns[-2:] in ("-a", "-m", "-b")}
+    if os.path.isdir(state_dir()):
+        names |= {f[:-5] for f in os.listdir(state_dir()) if f.endswith(".json")}
+    return sorted(names)
+
+
+def link_alive(name: str) -> bool:
+    """True while the process owning link `name` runs."""
+    state = read_state(name)
+    return bool(state and state.get("owner_pid") and netns.pid_alive(state["owner_pid"], state.get("owner_start")))
+
+
+def teardown(name: str) -> None:
+    """Removes link `name` whoever owns it: kills every process in its namespaces (the delay
+    line first), deletes the namespaces (which deletes its veth and TUN devices) and its files."""
+    namespaces = [f"{NS_PREFIX}{name}-{side}" for side in ("m", "a", "b")]
+    for ns in namespaces:
+        netns.kill_processes(netns.pids_in(ns))
+    state = read_state(name) or {}
+    if state.get("delay_line_pid") and netns.pid_alive(state["delay_line_pid"]):
+        netns.kill_processes([state["delay_line_pid"]])
+    errors = []
+    for ns in namespaces:
+        if netns.exists(ns):
+            try:
+                netns.run_tool(["ip", "netns", "del", ns])
+            except NamespaceError as exc:
+                errors.append(str(exc))
+    stats = os.path.join(state_dir(), f"{name}.stats")
+    for path in (_state_path(name), stats, delay_line.error_path(stats)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    if errors:
+        raise NamespaceError("; ".join(errors))
+
+
+def cleanup_stale() -> list[str]:
+    """Tears down every link whose owner process is gone (a killed run); returns their names."""
+    removed = []
+    with _state_lock():
+        for name in list_links():
+            if not link_alive(name):
+                teardown(name)
+                removed.append(name)
+    return removed
