@@ -14,6 +14,8 @@
 namespace nb = nanobind;
 using namespace pddcore;
 
+void bind_transfer(nb::module_& m);  // transfer_bindings.cpp
+
 namespace {
 
 using PlaneTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>;
@@ -81,6 +83,8 @@ NB_MODULE(_C, m) {
       [](nb::bytes data, uint32_t crc) { return crc32c(data.c_str(), data.size(), crc); },
       nb::arg("data"), nb::arg("crc") = 0);
   m.def("crc32c_hardware", &crc32c_hardware);
+
+  bind_transfer(m);
 
   m.def("probe_verbs", [] {
     const rdma::VerbsProbe p = rdma::probe_verbs();

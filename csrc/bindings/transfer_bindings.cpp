@@ -1,0 +1,114 @@
+// pddcore._C transfer-engine exports: argument conversion only; logic lives in
+// csrc/transport. Every call that can wait releases the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "../transport/engine.h"
+
+namespace nb = nanobind;
+using namespace pddcore::transfer;
+
+namespace {
+
+using WriteTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>;
+
+std::string to_string(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
+
+}  // namespace
+
+void bind_transfer(nb::module_& m) {
+  nb::exception<TransferError>(m, "TransferError", PyExc_RuntimeError);
+
+  nb::class_<Peer>(m, "PeerHandle")
+      .def_prop_ro("address", [](const Peer& p) { return p.info.address; })
+      .def_prop_ro("engine_id", [](const Peer& p) { return p.info.engine_id; })
+      .def_prop_ro("connected", [](const Peer& p) { return p.alive.load(); });
+
+  nb::class_<TransferState>(m, "TransferHandle")
+      .def_prop_ro("id", [](const TransferState& t) { return t.id; })
+      .def_prop_ro("total_bytes", [](const TransferState& t) { return t.total_bytes; })
+      .def_prop_ro("bytes_acked", [](const TransferState& t) { return t.bytes_acked.load(); })
+      .def_prop_ro("status", [](const TransferState& t) { return static_cast<int>(t.status()); })
+      .def_prop_ro("error", &TransferState::error)
+      .def("wait", &TransferState::wait, nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<Engine>(m, "TransferEngineCore")
+      .def(
+          "__init__",
+          [](Engine* self, const std::string& backend, const std::string& host, uint16_t port, uint32_t streams,
+             uint32_t chunk_bytes, std::optional<nb::bytes> auth_token, double timeout_s, double rate_limit_bps,
+             uint32_t max_retries) {
+            EngineOptions o;
+            o.backend = backend;
+            o.listen_host = host;
+            o.listen_port = port;
+            o.streams = streams;
+            o.chunk_bytes = chunk_bytes;
+            o.has_token = auth_token.has_value();
+            if (auth_token) o.auth_token = to_string(*auth_token);
+            o.timeout_s = timeout_s;
+            o.rate_limit_bps = rate_limit_bps;
+            o.max_retries = max_retries;
+            nb::gil_scoped_release release;
+            new (self) Engine(std::move(o));
+          },
+          nb::arg("backend"), nb::arg("host"), nb::arg("port"), nb::arg("streams"), nb::arg("chunk_bytes"),
+          nb::arg("auth_token").none(), nb::arg("timeout_s"), nb::arg("rate_limit_bps"), nb::arg("max_retries"))
+      .def_prop_ro("address", &Engine::address)
+      .def_prop_ro("engine_id", &Engine::engine_id)
+      .def_prop_ro("backend", &Engine::backend_name)
+      .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
+      .def("register_memory", &Engine::register_memory, nb::arg("base"), nb::arg("size"))
+      .def("unregister_memory", &Engine::unregister_memory, nb::arg("region_id"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("connect", &Engine::connect, nb::arg("address"), nb::call_guard<nb::gil_scoped_release>())
+      .def("disconnect", &Engine::disconnect, nb::arg("peer"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "write_batch",
+          [](Engine& e, const std::shared_ptr<Peer>& peer, const std::vector<WriteTuple>& writes,
+             std::optional<nb::bytes> notify) {
+            std::vector<WriteOp> ops;
+            for (const auto& [so, soff, dr, doff, n] : writes) ops.push_back({so, soff, dr, doff, n});
+            std::optional<std::string> note;
+            if (notify) note = to_string(*notify);
+            nb::gil_scoped_release release;
+            return e.write_batch(peer, ops, std::move(note));
+          },
+          nb::arg("peer"), nb::arg("writes"), nb::arg("notify").none())
+      .def("cancel", &Engine::cancel, nb::arg("transfer"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "send",
+          [](Engine& e, const std::shared_ptr<Peer>& peer, nb::bytes message) {
+            std::string body = to_string(message);
+            nb::gil_scoped_release release;
+            e.send(peer, body);
+          },
+          nb::arg("peer"), nb::arg("message"))
+      .def("poll_messages",
+           [](Engine& e) {
+             nb::list out;
+             for (auto& [from, body] : e.poll_messages())
+               out.append(nb::make_tuple(from, nb::bytes(body.data(), body.size())));
+             return out;
+           })
+      .def(
+          "remote_regions",
+          [](Engine& e, const std::shared_ptr<Peer>& peer) {
+            std::vector<std::tuple<uint64_t, uint64_t, uint64_t>> out;
+            {
+              nb::gil_scoped_release release;
+              for (const auto& r : e.remote_regions(peer)) out.emplace_back(r.region_id, r.base_address, r.size);
+            }
+            return out;
+          },
+          nb::arg("peer"))
+      .def("totals", &Engine::totals)
+      .def("peer_stats", &Engine::peer_stats)
+      .def("debug_kill_stream", &Engine::debug_kill_stream, nb::arg("peer"), nb::arg("stream"))
+      .def("debug_corrupt_chunks", &Engine::debug_corrupt_chunks, nb::arg("n"));
+}

@@ -1,0 +1,181 @@
+// The one narrow interface between the transfer engine core and a data-path backend
+// (NIXL shape). The core owns regions, peers, the handshake and control connection,
+// transfers, notifications, priority messages and stats; a backend only moves chunks of
+// registered memory to a peer's registered memory and reports, per chunk, that the peer
+// verified and applied it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pddcore/wire.h"
+
+namespace pddcore::transfer {
+
+// Raised for every transfer-level failure; the message names the cause.
+struct TransferError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// A registered memory range. Holders of a RegionPtr keep unregister() waiting, so no
+// byte is read or written after the owner got its memory back.
+struct Region {
+  uint64_t id;
+  uint8_t* base;
+  uint64_t size;
+};
+using RegionPtr = std::shared_ptr<const Region>;
+
+enum class TransferStatus : int { kPending = 0, kDone = 1, kFailed = 2, kCancelled = 3 };
+
+// A write_batch in flight. Terminal status is set once; waiters wake then.
+class TransferState {
+ public:
+  TransferState(uint64_t id, uint64_t peer_key, uint64_t total_bytes)
+      : id(id), peer_key(peer_key), total_bytes(total_bytes), started_ns(now_ns()), last_progress_ns(started_ns) {}
+
+  const uint64_t id;
+  const uint64_t peer_key;
+  const uint64_t total_bytes;
+  const int64_t started_ns;
+  std::atomic<uint64_t> bytes_acked{0};
+  std::atomic<int64_t> last_progress_ns;
+
+  TransferStatus status() const { return status_.load(std::memory_order_acquire); }
+  bool finished() const { return status() != TransferStatus::kPending; }
+  std::string error() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+
+  // Sets the terminal status; false when another status won the race.
+  bool finish(TransferStatus status, std::string error = {}) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished()) return false;
+      error_ = std::move(error);
+      status_.store(status, std::memory_order_release);
+    }
+    cv_.notify_all();
+    return true;
+  }
+
+  // Waits until finished or timeout_s passes (negative: no limit); true when finished.
+  bool wait(double timeout_s) const {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (timeout_s < 0) {
+      cv_.wait(lock, [this] { return finished(); });
+      return true;
+    }
+    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return finished(); });
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable cv_;
+  std::atomic<TransferStatus> status_{TransferStatus::kPending};
+  std::string error_;
+};
+using TransferPtr = std::shared_ptr<TransferState>;
+
+// One piece of a write, at most chunk_bytes long. Holds the source region pinned.
+struct WriteChunk {
+  TransferPtr transfer;
+  RegionPtr src;
+  uint64_t src_offset = 0;
+  uint64_t dst_region = 0;
+  uint64_t dst_offset = 0;
+  uint32_t length = 0;
+  uint32_t index = 0;     // position within its transfer, so a resent chunk is counted once
+  uint32_t attempts = 0;  // sends so far that did not end in an ack
+};
+
+// Who a backend talks to: a peer engine whose control handshake succeeded.
+struct PeerInfo {
+  uint64_t key = 0;        // the local engine's handle for this peer
+  std::string address;     // the peer engine's listen address, "host:port"
+  uint64_t engine_id = 0;  // the peer engine's random id
+};
+
+struct EngineOptions {
+  std::string backend = "tcp";
+  std::string listen_host = "127.0.0.1";
+  uint16_t listen_port = 0;
+  uint32_t streams = 4;
+  uint32_t chunk_bytes = 1u << 20;
+  bool has_token = false;
+  std::string auth_token;
+  double timeout_s = 30.0;
+  double rate_limit_bps = 0.0;  // bits per second; 0: unlimited
+  uint32_t max_retries = 5;     // resends of one chunk, and reconnects of one stream, before giving up
+};
+
+class Socket;
+
+// The engine core, as seen by a backend.
+class BackendHost {
+ public:
+  virtual ~BackendHost() = default;
+  virtual const EngineOptions& options() const = 0;
+
+  // Sender side. The peer verified and applied this chunk.
+  virtual void chunk_applied(const WriteChunk& chunk) = 0;
+  // The chunk will be sent again (lost connection or a CRC mismatch at the peer).
+  virtual void chunk_retried(const WriteChunk& chunk, const std::string& why) = 0;
+  // The transfer cannot complete; the core fails it with this reason.
+  virtual void transfer_failed(const TransferPtr& transfer, const std::string& why) = 0;
+  // Blocks until the rate limit admits `bytes` more (or the engine closes).
+  virtual void pace(uint64_t bytes) = 0;
+  // Opens an authenticated connection of `kind` to a peer (the core's handshake).
+  virtual Socket dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) = 0;
+
+  // Receiver side. Null when no region has this id.
+  virtual RegionPtr find_region(uint64_t region_id) = 0;
+  virtual void chunk_received(uint64_t bytes, wire::AckStatus status) = 0;
+};
+
+class TransferBackend {
+ public:
+  virtual ~TransferBackend() = default;
+  virtual const char* name() const = 0;
+
+  // Memory registration hooks (RDMA pins and registers an MR; TCP needs nothing).
+  virtual void register_memory(const RegionPtr& region) = 0;
+  virtual void deregister_memory(uint64_t region_id) = 0;
+
+  // Sets up the data path to a peer after the core's control handshake succeeded.
+  virtual void connect(const PeerInfo& peer) = 0;
+  virtual void disconnect(uint64_t peer_key) = 0;
+
+  // Queues chunks for a connected peer. Each chunk ends in host.chunk_applied or, for
+  // its transfer, host.transfer_failed; chunks of finished transfers are dropped.
+  virtual void post(uint64_t peer_key, std::vector<WriteChunk> chunks) = 0;
+  // Drops every queued and unacknowledged chunk of a finished transfer, unpinning its regions.
+  virtual void purge(const TransferState& transfer) = 0;
+
+  // An authenticated data connection accepted on the engine's port: serves it on the
+  // calling thread until it closes. The core owns the socket and shuts it down on close.
+  virtual void serve(const Socket& socket, const PeerInfo& from) = 0;
+
+  // Stops all threads and closes all connections; idempotent.
+  virtual void close() = 0;
+
+  // Test hooks: break one data stream's connection; corrupt the next n payloads sent.
+  virtual void debug_kill_stream(uint64_t peer_key, uint32_t stream) = 0;
+  virtual void debug_corrupt_chunks(uint32_t n) = 0;
+};
+
+}  // namespace pddcore::transfer

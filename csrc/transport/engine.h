@@ -1,0 +1,180 @@
+// The transfer engine core, shared by every backend: registered regions, peers and their
+// control connections (priority messages, notifications, pings), the authenticated
+// listener, transfers and their deadlines, the rate limit and stats. Data moves through
+// a TransferBackend (tcp/ here).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "handshake.h"
+#include "pddcore/transfer_backend.h"
+#include "socket.h"
+
+namespace pddcore::transfer {
+
+// One write of a batch: nbytes from a local region to a peer's region.
+struct WriteOp {
+  uint64_t src_region;
+  uint64_t src_offset;
+  uint64_t dst_region;
+  uint64_t dst_offset;
+  uint64_t nbytes;
+};
+
+// A connected peer engine: its control connection and what we sent it.
+struct Peer {
+  PeerInfo info;
+  Socket control;
+  std::mutex send_mutex;
+  std::thread reader;
+  std::atomic<bool> alive{true};
+  std::string lost_reason;  // under send_mutex
+
+  std::mutex reply_mutex;
+  std::condition_variable reply_cv;
+  uint64_t region_lists_received = 0;  // under reply_mutex
+  std::vector<wire::RegionEntry> region_list;
+
+  std::atomic<uint64_t> bytes_sent{0}, chunks_sent{0}, retries{0}, transfers_done{0}, transfers_failed{0};
+  std::atomic<int64_t> rtt_ns{0};
+  std::atomic<int64_t> last_ack_ns{now_ns()};  // a peer acking anything is alive
+  std::mutex busy_mutex;  // guards the three below
+  int active_transfers = 0;
+  int64_t busy_since_ns = 0;
+  int64_t busy_total_ns = 0;
+};
+using PeerPtr = std::shared_ptr<Peer>;
+
+using StatsMap = std::map<std::string, double>;
+
+class Engine final : public BackendHost {
+ public:
+  explicit Engine(EngineOptions options);
+  ~Engine() override;
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Stops every thread, closes every socket, fails what is still in flight; idempotent.
+  void close();
+
+  const std::string& address() const { return address_; }
+  uint64_t engine_id() const { return handshake_.engine_id; }
+  const char* backend_name() const;
+
+  uint64_t register_memory(uintptr_t base, uint64_t size);
+  // Refuses while the region is the source of an active transfer; otherwise waits (up to
+  // timeout_s) until no chunk reads or writes it any more.
+  void unregister_memory(uint64_t region_id);
+
+  PeerPtr connect(const std::string& address);
+  // Closes the peer's connections and fails its transfers in flight.
+  void disconnect(const PeerPtr& peer);
+  TransferPtr write_batch(const PeerPtr& peer, const std::vector<WriteOp>& ops, std::optional<std::string> notify);
+  void cancel(const TransferPtr& transfer);
+  // A priority-lane message: written at once on the peer's control connection.
+  void send(const PeerPtr& peer, const std::string& message);
+  // Messages and notifications received since the last call: (sender address, payload).
+  std::vector<std::pair<std::string, std::string>> poll_messages();
+  // The peer's registered regions (for adapters that address memory by pointer).
+  std::vector<wire::RegionEntry> remote_regions(const PeerPtr& peer);
+
+  StatsMap totals() const;
+  std::map<std::string, StatsMap> peer_stats() const;
+
+  void debug_kill_stream(const PeerPtr& peer, uint32_t stream);
+  void debug_corrupt_chunks(uint32_t n);
+
+  // BackendHost
+  const EngineOptions& options() const override { return options_; }
+  void chunk_applied(const WriteChunk& chunk) override;
+  void chunk_retried(const WriteChunk& chunk, const std::string& why) override;
+  void transfer_failed(const TransferPtr& transfer, const std::string& why) override;
+  void pace(uint64_t bytes) override;
+  Socket dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) override;
+  RegionPtr find_region(uint64_t region_id) override;
+  void chunk_received(uint64_t bytes, wire::AckStatus status) override;
+
+ private:
+  struct ActiveTransfer {
+    TransferPtr transfer;
+    PeerPtr peer;
+    std::optional<std::string> notify;
+    std::vector<uint64_t> source_regions;
+    std::vector<bool> chunk_acked;
+  };
+  struct Connection {
+    Socket socket;
+    std::thread thread;
+    std::atomic<bool> done{false};
+  };
+
+  void accept_loop();
+  void serve_connection(Connection* conn);
+  void serve_control(const Socket& s, const std::string& from);
+  void read_control_replies(const PeerPtr& peer);
+  void watchdog_loop();
+  void send_control(Peer& peer, wire::ControlType type, const std::string& payload);
+  // Ends a transfer once: records stats, unpins, purges the backend's queues.
+  // `peer` is needed only once the transfer has left active_ (its completion path).
+  void finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
+                       PeerPtr peer = nullptr);
+  void complete_transfer(ActiveTransfer active);
+
+  EngineOptions options_;
+  HandshakeConfig handshake_;
+  std::string address_;
+  std::unique_ptr<TransferBackend> backend_;
+
+  std::atomic<bool> closing_{false};
+  std::mutex close_mutex_;
+  bool closed_ = false;
+
+  Socket listener_;
+  std::thread accept_thread_;
+  std::mutex connections_mutex_;
+  std::list<std::unique_ptr<Connection>> connections_;
+
+  mutable std::mutex regions_mutex_;
+  std::unordered_map<uint64_t, RegionPtr> regions_;
+  uint64_t next_region_id_ = 1;
+
+  mutable std::mutex peers_mutex_;
+  std::map<uint64_t, PeerPtr> peers_;
+  uint64_t next_peer_key_ = 1;
+
+  mutable std::mutex transfers_mutex_;
+  std::unordered_map<uint64_t, ActiveTransfer> active_;
+  uint64_t next_transfer_id_ = 1;
+
+  std::mutex inbox_mutex_;
+  std::deque<std::pair<std::string, std::string>> inbox_;
+
+  std::mutex pace_mutex_;
+  std::condition_variable wake_;  // pacing sleeps and the watchdog; notified on close
+  int64_t pace_next_ns_ = 0;
+
+  std::thread watchdog_thread_;
+
+  std::atomic<uint64_t> bytes_sent_{0}, chunks_sent_{0}, bytes_received_{0}, chunks_received_{0}, retries_{0},
+      crc_errors_{0}, chunks_rejected_{0}, transfers_done_{0}, transfers_failed_{0}, transfers_cancelled_{0},
+      messages_sent_{0}, messages_received_{0};
+};
+
+// Creates the backend named in options.backend; throws std::invalid_argument listing
+// the backends available in this build for an unknown name.
+std::unique_ptr<TransferBackend> make_backend(BackendHost& host);
+
+}  // namespace pddcore::transfer

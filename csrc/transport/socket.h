@@ -1,0 +1,63 @@
+// Blocking TCP sockets with deadlines: every call that could wait takes a timeout, so
+// nothing in the engine waits forever on a silent peer.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace pddcore::transfer {
+
+// Owns one file descriptor. shutdown() may be called from another thread to wake a
+// blocked send/recv; the descriptor itself is closed only by the destructor.
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Socket& operator=(Socket&& o) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  ~Socket();
+
+  int fd() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void shutdown() const;
+
+  // Deadline for each blocking recv/send; 0 disables it.
+  void set_timeouts(double recv_s, double send_s) const;
+  void set_nodelay() const;
+
+  // Sends everything or throws TransferError.
+  void send_all(const void* data, size_t n) const;
+  void sendv_all(iovec* iov, int count) const;
+  // Receives exactly n bytes or throws TransferError (EOF, timeout, error).
+  void recv_all(void* data, size_t n) const;
+  // Like recv_all, but returns false when the receive deadline passes before the first
+  // byte (an idle connection); a frame cut off midway still throws.
+  bool recv_frame(void* data, size_t n) const;
+
+ private:
+  int fd_ = -1;
+};
+
+struct HostPort {
+  std::string host;
+  uint16_t port = 0;
+};
+
+// Parses "host:port" (IPv4 literal or name); throws std::invalid_argument.
+HostPort parse_address(const std::string& address);
+std::string format_address(const HostPort& hp);
+
+// Listens on host:port (port 0: any free port); returns the socket and the bound port.
+Socket listen_tcp(const HostPort& at, uint16_t* bound_port);
+// Connects within timeout_s or throws TransferError.
+Socket dial_tcp(const HostPort& to, double timeout_s);
+// The remote IPv4 address of a connected socket ("1.2.3.4").
+std::string peer_ip(const Socket& s);
+
+}  // namespace pddcore::transfer

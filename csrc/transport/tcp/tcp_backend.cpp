@@ -1,0 +1,409 @@
+#include "tcp_backend.h"
+
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <set>
+
+#include "pddcore/crc32c.h"
+
+namespace pddcore::transfer::tcp {
+
+namespace {
+
+// The receiver checks the CRC piece by piece while the bytes are still in cache.
+constexpr size_t kCrcPiece = 256 << 10;
+constexpr uint64_t kMinWindowBytes = 16ull << 20;
+
+void send_ack(const Socket& s, wire::AckStatus status, uint64_t seq) {
+  wire::Ack ack;
+  ack.status = status;
+  ack.seq = seq;
+  uint8_t buf[wire::Ack::kSize];
+  ack.encode(buf);
+  s.send_all(buf, sizeof(buf));
+}
+
+std::string describe(const WriteChunk& c) {
+  return "region " + std::to_string(c.dst_region) + ", offset " + std::to_string(c.dst_offset) + ", length " +
+         std::to_string(c.length);
+}
+
+}  // namespace
+
+TcpBackend::TcpBackend(BackendHost& host)
+    : host_(host), window_bytes_(std::max<uint64_t>(kMinWindowBytes, 4ull * host.options().chunk_bytes)) {}
+
+TcpBackend::~TcpBackend() { close(); }
+
+// TCP reads and writes registered memory in place: nothing to pin or register.
+void TcpBackend::register_memory(const RegionPtr&) {}
+void TcpBackend::deregister_memory(uint64_t) {}
+
+// ---- sender ----------------------------------------------------------------
+
+void TcpBackend::connect(const PeerInfo& peer) {
+  auto link = std::make_shared<Link>();
+  link->peer = peer;
+  const uint32_t n = host_.options().streams;
+  link->live_streams = n;
+  for (uint32_t i = 0; i < n; ++i) {
+    link->streams.push_back(std::make_unique<Stream>());
+    link->streams.back()->index = i;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) throw TransferError("engine is closed");
+  links_.emplace(peer.key, link);
+  for (auto& stream : link->streams) {
+    Stream* s = stream.get();
+    s->thread = std::thread([this, link, s] { run_stream(link, *s); });
+  }
+}
+
+TcpBackend::LinkPtr TcpBackend::find_link(uint64_t peer_key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = links_.find(peer_key);
+  return it == links_.end() ? nullptr : it->second;
+}
+
+void TcpBackend::post(uint64_t peer_key, std::vector<WriteChunk> chunks) {
+  LinkPtr link = find_link(peer_key);
+  std::string dead;
+  if (!link) {
+    dead = "peer is not connected";
+  } else {
+    std::lock_guard<std::mutex> lock(link->mutex);
+    if (!link->dead_reason.empty() || link->stopping) {
+      dead = link->dead_reason.empty() ? "peer is disconnected" : link->dead_reason;
+    } else {
+      for (auto& c : chunks) link->queue.push_back(std::move(c));
+    }
+  }
+  if (!dead.empty()) {
+    if (!chunks.empty()) host_.transfer_failed(chunks.front().transfer, dead);
+    return;
+  }
+  link->cv.notify_all();
+}
+
+void TcpBackend::purge(const TransferState& transfer) {
+  LinkPtr link = find_link(transfer.peer_key);
+  if (!link) return;
+  std::vector<WriteChunk> dropped;  // released outside the lock
+  {
+    std::lock_guard<std::mutex> lock(link->mutex);
+    auto& q = link->queue;
+    for (auto it = q.begin(); it != q.end();) {
+      if (it->transfer.get() == &transfer) {
+        dropped.push_back(std::move(*it));
+        it = q.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto& stream : link->streams) {
+      for (auto it = stream->inflight.begin(); it != stream->inflight.end();) {
+        if (it->second.transfer.get() == &transfer) {
+          stream->inflight_bytes -= it->second.length;
+          dropped.push_back(std::move(it->second));
+          it = stream->inflight.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+  link->cv.notify_all();
+}
+
+void TcpBackend::run_stream(const LinkPtr& link, Stream& stream) {
+  const uint32_t max_failures = host_.options().max_retries;
+  uint32_t failures = 0;
+  std::string why;
+  for (;;) {
+    bool progressed = false;
+    try {
+      Socket socket = host_.dial(link->peer, wire::ConnKind::kData, static_cast<uint8_t>(stream.index));
+      // Acks have no deadline of their own: the core's watchdog judges progress.
+      socket.set_timeouts(0, host_.options().timeout_s);
+      socket.set_nodelay();
+      progressed = run_session(*link, stream, socket);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    requeue_inflight(*link, stream, why);
+    std::unique_lock<std::mutex> lock(link->mutex);
+    if (link->stopping) return;
+    failures = progressed ? 1 : failures + 1;
+    if (failures > max_failures) {
+      if (--link->live_streams == 0) {
+        link->dead_reason = "all " + std::to_string(link->streams.size()) + " data connections to " +
+                            link->peer.address + " failed; last error: " + why;
+        lock.unlock();
+        fail_queued(*link, link->dead_reason);
+      }
+      return;
+    }
+    // Back off before reconnecting: 50 ms, 100 ms, ... up to 1 s.
+    const auto backoff = std::chrono::milliseconds(std::min<uint64_t>(1000, 50ull << std::min(failures - 1, 5u)));
+    link->cv.wait_for(lock, backoff, [&] { return link->stopping; });
+    if (link->stopping) return;
+  }
+}
+
+bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
+  std::atomic<bool> broken{false}, progressed{false};
+  std::string reader_error, writer_error;
+  {
+    std::lock_guard<std::mutex> lock(link.mutex);
+    if (link.stopping) return false;
+    stream.socket = &socket;
+  }
+  std::thread reader([&] { read_acks(link, stream, socket, broken, progressed, reader_error); });
+  try {
+    for (;;) {
+      WriteChunk chunk;
+      uint64_t seq;
+      {
+        std::unique_lock<std::mutex> lock(link.mutex);
+        link.cv.wait(lock, [&] {
+          return link.stopping || broken || (!link.queue.empty() && stream.inflight_bytes < window_bytes_);
+        });
+        if (link.stopping || broken) break;
+        chunk = std::move(link.queue.front());
+        link.queue.pop_front();
+        if (chunk.transfer->finished()) continue;
+        seq = stream.next_seq++;
+        stream.inflight.emplace(seq, chunk);
+        stream.inflight_bytes += chunk.length;
+      }
+      host_.pace(chunk.length);
+      send_chunk(socket, chunk, seq);
+    }
+  } catch (const std::exception& e) {
+    writer_error = e.what();
+  }
+  broken = true;
+  socket.shutdown();
+  reader.join();
+  bool stopping;
+  {
+    std::lock_guard<std::mutex> lock(link.mutex);
+    stream.socket = nullptr;
+    stopping = link.stopping;
+  }
+  if (stopping) return progressed;
+  throw TransferError("data connection " + std::to_string(stream.index) + " to " + link.peer.address + " broke: " +
+                      (reader_error.empty() ? writer_error : reader_error));
+}
+
+void TcpBackend::send_chunk(const Socket& socket, const WriteChunk& chunk, uint64_t seq) {
+  const uint8_t* payload = chunk.src->base + chunk.src_offset;
+  wire::ChunkHeader header;
+  header.seq = seq;
+  header.region_id = chunk.dst_region;
+  header.offset = chunk.dst_offset;
+  header.length = chunk.length;
+  header.payload_crc = crc32c(payload, chunk.length);
+  uint8_t header_bytes[wire::ChunkHeader::kSize];
+  header.encode(header_bytes);
+  std::vector<uint8_t> corrupted;
+  uint32_t pending = corrupt_next_.load();
+  while (pending > 0 && !corrupt_next_.compare_exchange_weak(pending, pending - 1)) {
+  }
+  if (pending > 0) {  // test hook: flip one payload byte after the CRC was taken
+    corrupted.assign(payload, payload + chunk.length);
+    corrupted[chunk.length / 2] ^= 0xFF;
+    payload = corrupted.data();
+  }
+  iovec iov[2] = {{header_bytes, sizeof(header_bytes)}, {const_cast<uint8_t*>(payload), chunk.length}};
+  socket.sendv_all(iov, 2);
+}
+
+void TcpBackend::read_acks(Link& link, Stream& stream, const Socket& socket, std::atomic<bool>& broken,
+                           std::atomic<bool>& progressed, std::string& error) {
+  const uint32_t max_retries = host_.options().max_retries;
+  try {
+    for (;;) {
+      uint8_t buf[wire::Ack::kSize];
+      socket.recv_all(buf, sizeof(buf));
+      wire::Ack ack;
+      if (!ack.decode(buf)) throw TransferError("malformed ack from peer");
+      WriteChunk chunk;
+      bool known;
+      {
+        std::lock_guard<std::mutex> lock(link.mutex);
+        auto it = stream.inflight.find(ack.seq);
+        known = it != stream.inflight.end();
+        if (known) {
+          chunk = std::move(it->second);
+          stream.inflight.erase(it);
+          stream.inflight_bytes -= chunk.length;
+        }
+      }
+      link.cv.notify_all();
+      progressed = true;
+      const std::string reason = wire::to_string(ack.status);
+      switch (ack.status) {
+        case wire::AckStatus::kOk:
+          if (known) host_.chunk_applied(chunk);
+          break;
+        case wire::AckStatus::kBadCrc:
+          if (!known) break;
+          ++chunk.attempts;
+          host_.chunk_retried(chunk, reason);
+          if (chunk.attempts > max_retries) {
+            host_.transfer_failed(chunk.transfer, "peer rejected a chunk " + std::to_string(chunk.attempts) +
+                                                      " times: " + reason + " (" + describe(chunk) + ")");
+          } else {
+            std::lock_guard<std::mutex> lock(link.mutex);
+            link.queue.push_front(std::move(chunk));
+          }
+          link.cv.notify_all();
+          break;
+        case wire::AckStatus::kUnknownRegion:
+        case wire::AckStatus::kOutOfBounds:
+          if (known) host_.transfer_failed(chunk.transfer, "peer rejected a chunk: " + reason + " (" + describe(chunk) + ")");
+          break;
+        case wire::AckStatus::kBadHeader:
+        case wire::AckStatus::kTooLarge:
+          if (known) host_.transfer_failed(chunk.transfer, "peer rejected a chunk: " + reason + " (" + describe(chunk) + ")");
+          throw TransferError("peer closed the connection: " + reason);
+      }
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  broken = true;
+  socket.shutdown();
+  link.cv.notify_all();
+}
+
+void TcpBackend::requeue_inflight(Link& link, Stream& stream, const std::string& why) {
+  std::vector<WriteChunk> out_of_retries, retried;
+  {
+    std::lock_guard<std::mutex> lock(link.mutex);
+    // Back in original order at the front, so the oldest chunks go out first.
+    for (auto it = stream.inflight.rbegin(); it != stream.inflight.rend(); ++it) {
+      WriteChunk& c = it->second;
+      if (c.transfer->finished()) continue;
+      if (++c.attempts > host_.options().max_retries) {
+        out_of_retries.push_back(std::move(c));
+      } else {
+        retried.push_back(c);
+        link.queue.push_front(std::move(c));
+      }
+    }
+    stream.inflight.clear();
+    stream.inflight_bytes = 0;
+  }
+  link.cv.notify_all();
+  for (auto& c : retried) host_.chunk_retried(c, why);
+  for (auto& c : out_of_retries)
+    host_.transfer_failed(c.transfer, "chunk (" + describe(c) + ") not delivered after " + std::to_string(c.attempts) +
+                                          " attempts; last error: " + why);
+}
+
+void TcpBackend::fail_queued(Link& link, const std::string& why) {
+  std::deque<WriteChunk> queued;
+  {
+    std::lock_guard<std::mutex> lock(link.mutex);
+    queued.swap(link.queue);
+  }
+  std::set<TransferState*> failed;
+  for (auto& c : queued)
+    if (failed.insert(c.transfer.get()).second) host_.transfer_failed(c.transfer, why);
+}
+
+void TcpBackend::stop_link(const LinkPtr& link) {
+  {
+    std::lock_guard<std::mutex> lock(link->mutex);
+    link->stopping = true;
+    for (auto& stream : link->streams)
+      if (stream->socket) stream->socket->shutdown();
+  }
+  link->cv.notify_all();
+  for (auto& stream : link->streams) stream->thread.join();
+  fail_queued(*link, "peer disconnected");
+}
+
+void TcpBackend::disconnect(uint64_t peer_key) {
+  LinkPtr link;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = links_.find(peer_key);
+    if (it == links_.end()) return;
+    link = it->second;
+    links_.erase(it);
+  }
+  stop_link(link);
+}
+
+void TcpBackend::close() {
+  std::map<uint64_t, LinkPtr> links;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    closed_ = true;
+    links.swap(links_);
+  }
+  for (auto& [key, link] : links) stop_link(link);
+}
+
+void TcpBackend::debug_kill_stream(uint64_t peer_key, uint32_t stream) {
+  LinkPtr link = find_link(peer_key);
+  if (!link || stream >= link->streams.size()) throw std::invalid_argument("no such data stream");
+  std::lock_guard<std::mutex> lock(link->mutex);
+  if (link->streams[stream]->socket) link->streams[stream]->socket->shutdown();
+}
+
+void TcpBackend::debug_corrupt_chunks(uint32_t n) { corrupt_next_ = n; }
+
+// ---- receiver --------------------------------------------------------------
+
+void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
+  socket.set_timeouts(host_.options().timeout_s, host_.options().timeout_s);
+  std::vector<uint8_t> scratch;
+  for (;;) {
+    uint8_t header_bytes[wire::ChunkHeader::kSize];
+    if (!socket.recv_frame(header_bytes, sizeof(header_bytes))) continue;  // idle; close() shuts it down
+    wire::ChunkHeader header;
+    wire::AckStatus status = header.decode(header_bytes);
+    if (status != wire::AckStatus::kOk) {
+      // The stream cannot be resynchronised: say why and close it.
+      host_.chunk_received(0, status);
+      send_ack(socket, status, header.seq);
+      return;
+    }
+    RegionPtr region = host_.find_region(header.region_id);
+    if (!region)
+      status = wire::AckStatus::kUnknownRegion;
+    else if (header.offset > region->size || header.length > region->size - header.offset)
+      status = wire::AckStatus::kOutOfBounds;
+    if (status != wire::AckStatus::kOk) {
+      region.reset();
+      scratch.resize(std::min<size_t>(header.length, kCrcPiece));
+      for (uint64_t left = header.length; left > 0;) {
+        const size_t n = std::min<uint64_t>(left, scratch.size());
+        socket.recv_all(scratch.data(), n);
+        left -= n;
+      }
+    } else {
+      // Straight into the destination; a chunk becomes visible as "applied" only through
+      // its ack after the CRC matched, and a transfer only once every chunk was acked.
+      uint8_t* dst = region->base + header.offset;
+      uint32_t crc = 0;
+      for (uint64_t done = 0; done < header.length;) {
+        const size_t n = std::min<uint64_t>(kCrcPiece, header.length - done);
+        socket.recv_all(dst + done, n);
+        crc = crc32c(dst + done, n, crc);
+        done += n;
+      }
+      region.reset();
+      if (crc != header.payload_crc) status = wire::AckStatus::kBadCrc;
+    }
+    host_.chunk_received(header.length, status);
+    send_ack(socket, status, header.seq);
+  }
+}
+
+}  // namespace pddcore::transfer::tcp

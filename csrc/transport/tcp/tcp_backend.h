@@ -1,0 +1,86 @@
+// TCP data path: each peer gets `streams` connections; each stream's writer pulls chunks
+// from the peer's shared queue and keeps up to a window of them unacknowledged, so a long
+// fat pipe stays full. A stream that breaks hands its unacknowledged chunks back to the
+// queue (the other streams pick them up) and reconnects, within the retry budget.
+// Receiving, each chunk's payload is read straight into the registered destination and
+// its CRC32C checked before the ack.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../socket.h"
+#include "pddcore/transfer_backend.h"
+
+namespace pddcore::transfer::tcp {
+
+class TcpBackend final : public TransferBackend {
+ public:
+  explicit TcpBackend(BackendHost& host);
+  ~TcpBackend() override;
+
+  const char* name() const override { return "tcp"; }
+  void register_memory(const RegionPtr& region) override;
+  void deregister_memory(uint64_t region_id) override;
+  void connect(const PeerInfo& peer) override;
+  void disconnect(uint64_t peer_key) override;
+  void post(uint64_t peer_key, std::vector<WriteChunk> chunks) override;
+  void purge(const TransferState& transfer) override;
+  void serve(const Socket& socket, const PeerInfo& from) override;
+  void close() override;
+  void debug_kill_stream(uint64_t peer_key, uint32_t stream) override;
+  void debug_corrupt_chunks(uint32_t n) override;
+
+ private:
+  struct Stream {
+    uint32_t index = 0;
+    std::thread thread;
+    // Under Link::mutex:
+    const Socket* socket = nullptr;          // the live connection, if any
+    std::map<uint64_t, WriteChunk> inflight;  // sent, not yet acknowledged, by sequence number
+    uint64_t inflight_bytes = 0;
+    uint64_t next_seq = 1;
+  };
+  struct Link {
+    PeerInfo peer;
+    std::mutex mutex;
+    std::condition_variable cv;  // queue, window space, a broken session, stopping
+    std::deque<WriteChunk> queue;
+    std::vector<std::unique_ptr<Stream>> streams;
+    uint32_t live_streams = 0;
+    bool stopping = false;
+    std::string dead_reason;  // set once every stream gave up
+  };
+  using LinkPtr = std::shared_ptr<Link>;
+
+  void run_stream(const LinkPtr& link, Stream& stream);
+  // Sends chunks until the connection breaks or the link stops; returns whether the
+  // peer acknowledged anything, throws TransferError with the reason it broke.
+  bool run_session(Link& link, Stream& stream, const Socket& socket);
+  void read_acks(Link& link, Stream& stream, const Socket& socket, std::atomic<bool>& broken,
+                 std::atomic<bool>& progressed, std::string& error);
+  void send_chunk(const Socket& socket, const WriteChunk& chunk, uint64_t seq);
+  // Returns a session's unacknowledged chunks to the queue, or fails their transfers
+  // once a chunk is out of retries.
+  void requeue_inflight(Link& link, Stream& stream, const std::string& why);
+  void fail_queued(Link& link, const std::string& why);
+  void stop_link(const LinkPtr& link);
+  LinkPtr find_link(uint64_t peer_key);
+
+  BackendHost& host_;
+  const uint64_t window_bytes_;
+  std::mutex mutex_;
+  std::map<uint64_t, LinkPtr> links_;
+  bool closed_ = false;
+  std::atomic<uint32_t> corrupt_next_{0};
+};
+
+}  // namespace pddcore::transfer::tcp
