@@ -1,13 +1,17 @@
 """pddcore.kernels against torch's scaled_dot_product_attention over the gathered KV.
 
-Every correctness case runs on each backend: the torch reference ("torch") and the
-Triton kernels in Triton's interpreter ("triton", via PDDCORE_FORCE_TRITON=1). Shapes
-stay small because the interpreter costs milliseconds per program instance.
+Every correctness case runs on each backend: the torch reference ("torch") and the Triton
+kernels ("triton"): on a CUDA device when there is one, else on CPU in Triton's
+interpreter (PDDCORE_FORCE_TRITON=1). The interpreter needs TRITON_INTERPRET=1 before
+triton is imported, so without it the "triton" cases skip here and
+test_kernels_triton.py runs them in a subprocess that sets it. Shapes stay small: the
+interpreter costs milliseconds per program instance.
 """
 
 from __future__ import annotations
 
-import math
+import os
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -16,18 +20,35 @@ import torch.nn.functional as F
 
 import pddcore.kernels as K
 
-BACKENDS = ["torch"]
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# (atol, rtol) against a float64 oracle; half types round the output (the interpreter's
+# float32 -> bfloat16 conversion truncates, so allow one bf16 ulp).
+TOLERANCE = {torch.float64: (1e-10, 0.0), torch.float32: (2e-5, 1e-5), torch.float16: (1e-3, 2e-3),
+             torch.bfloat16: (1e-2, 1e-2)}
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    if request.param == "triton":
-        pytest.importorskip("triton")
-        monkeypatch.setenv("PDDCORE_FORCE_TRITON", "1")
-    else:
-        monkeypatch.delenv("PDDCORE_FORCE_TRITON", raising=False)
-    return request.param
+def _triton_device(monkeypatch) -> torch.device:
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if not TRITON_INTERPRETED:
+        pytest.skip("Triton on CPU runs in the TRITON_INTERPRET=1 subprocess of test_kernels_triton.py")
+    monkeypatch.setenv("PDDCORE_FORCE_TRITON", "1")
+    return torch.device("cpu")
+
+
+@pytest.fixture(params=["torch", "triton"])
+def device(request, monkeypatch) -> torch.device:
+    """The device the case's tensors go to; the dispatch then picks the backend."""
+    monkeypatch.delenv("PDDCORE_FORCE_TRITON", raising=False)
+    return torch.device("cpu") if request.param == "torch" else _triton_device(monkeypatch)
+
+
+@pytest.fixture
+def triton_device(monkeypatch) -> torch.device:
+    """For tests of the Triton kernels alone."""
+    monkeypatch.delenv("PDDCORE_FORCE_TRITON", raising=False)
+    return _triton_device(monkeypatch)
 
 
 @dataclass
@@ -35,10 +56,17 @@ class Pool:
     k: torch.Tensor            # [slots, Hkv, D] or [pages, page_size, Hkv, D]
     v: torch.Tensor
     page_size: int
+    both: torch.Tensor | None = None   # FlashInfer [pages, 2, page_size, Hkv, D] holding k and v as views
 
     def rows(self, slots: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
         """The oracle's gather: plain indexing of the flattened pool."""
         return plane.reshape(-1, *plane.shape[-2:])[slots.long()]
+
+    def to(self, device) -> "Pool":
+        if self.both is not None:
+            both = self.both.to(device)
+            return Pool(both[:, 0], both[:, 1], self.page_size, both)
+        return Pool(self.k.to(device), self.v.to(device), self.page_size)
 
 
 def make_pool(num_slots, hkv, dim, dtype, page_size, gen, flashinfer_view=False) -> Pool:
@@ -50,7 +78,7 @@ def make_pool(num_slots, hkv, dim, dtype, page_size, gen, flashinfer_view=False)
     pages = -(-num_slots // page_size)
     if flashinfer_view:
         both = torch.randn(pages, 2, page_size, hkv, dim, generator=gen).to(dtype)
-        return Pool(both[:, 0], both[:, 1], page_size)
+        return Pool(both[:, 0], both[:, 1], page_size, both)
     k = torch.randn(pages, page_size, hkv, dim, generator=gen).to(dtype)
     v = torch.randn(pages, page_size, hkv, dim, generator=gen).to(dtype)
     return Pool(k, v, page_size)
@@ -127,16 +155,21 @@ def extend_oracle(case: ExtendCase, **kw) -> torch.Tensor:
     return out
 
 
-def run_extend(case: ExtendCase, **kw) -> torch.Tensor:
-    o = torch.full_like(case.q, float("nan"))
-    K.extend_attention(case.q, case.k, case.v, o, case.pool.k, case.pool.v, case.qo_indptr, case.kv_indptr,
-                       case.kv_indices, **kw)
-    return o
+def on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+def run_extend(case: ExtendCase, device=torch.device("cpu"), **kw) -> torch.Tensor:
+    pool = case.pool.to(device)
+    q, k, v, o, qo_indptr, kv_indptr, kv_indices = on(device, case.q, case.k, case.v, torch.full_like(
+        case.q, float("nan")), case.qo_indptr, case.kv_indptr, case.kv_indices)
+    K.extend_attention(q, k, v, o, pool.k, pool.v, qo_indptr, kv_indptr, kv_indices, **kw)
+    return o.cpu()
 
 
 def assert_close(actual, expected, dtype):
-    err = (actual.double() - expected).abs().max().item()
-    assert err <= TOLERANCE[dtype], f"max abs error {err:.3g} > {TOLERANCE[dtype]:.1g} for {dtype}"
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected, atol=atol, rtol=rtol)
 
 
 # Ragged batches: empty prefixes, one-token extends, a request with no new tokens, lengths
@@ -146,44 +179,44 @@ RAGGED = [([0, 37, 5], [9, 1, 17]), ([70], [1]), ([3, 0, 0, 41], [2, 0, 33, 5])]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("heads,hkv", [(2, 2), (8, 2), (8, 1)])
-def test_extend_matches_sdpa_gqa_and_dtypes(backend, dtype, heads, hkv):
-    if backend == "triton" and dtype == torch.float64:
-        pytest.skip("the Triton kernels take fp16/bf16/fp32")
+def test_extend_matches_sdpa_gqa_and_dtypes(device, dtype, heads, hkv):
+    if dtype == torch.float64 and os.environ.get("PDDCORE_FORCE_TRITON") == "1":
+        pytest.skip("the Triton kernels take fp16/bf16/fp32; float64 always runs the torch reference")
     case = make_extend_case(*RAGGED[0], heads, hkv, 64, dtype, seed=hkv)
-    assert_close(run_extend(case), extend_oracle(case), dtype)
+    assert_close(run_extend(case, device), extend_oracle(case), dtype)
 
 
 @pytest.mark.parametrize("lens", RAGGED[1:])
 @pytest.mark.parametrize("dim", [96, 128])
-def test_extend_ragged_and_head_dims(backend, lens, dim):
+def test_extend_ragged_and_head_dims(device, lens, dim):
     case = make_extend_case(*lens, 4, 2, dim, torch.float32, seed=dim)
-    assert_close(run_extend(case), extend_oracle(case), torch.float32)
+    assert_close(run_extend(case, device), extend_oracle(case), torch.float32)
 
 
 @pytest.mark.parametrize("page_size,flashinfer_view", [(16, False), (4, True)])
-def test_extend_paged_pool(backend, page_size, flashinfer_view):
+def test_extend_paged_pool(device, page_size, flashinfer_view):
     case = make_extend_case([21, 0, 6], [3, 5, 1], 4, 2, 64, torch.float32, page_size=page_size,
                             flashinfer_view=flashinfer_view, index_dtype=torch.int32)
-    assert_close(run_extend(case), extend_oracle(case), torch.float32)
+    assert_close(run_extend(case, device), extend_oracle(case), torch.float32)
 
 
 @pytest.mark.parametrize("window", [0, 6, 40])
-def test_extend_sliding_window(backend, window):
-    case = make_extend_case([30, 2], [11, 7], 4, 2, 64, torch.float32, seed=window)
-    assert_close(run_extend(case, sliding_window=window), extend_oracle(case, sliding_window=window),
+def test_extend_sliding_window(device, window):
+    case = make_extend_case([50, 2], [11, 7], 4, 2, 64, torch.float32, seed=window)
+    assert_close(run_extend(case, device, sliding_window=window), extend_oracle(case, sliding_window=window),
                  torch.float32)
 
 
-def test_extend_non_causal_and_custom_scale(backend):
+def test_extend_non_causal_and_custom_scale(device):
     case = make_extend_case([9, 0], [6, 4], 4, 4, 64, torch.float32, seed=3)
     kw = dict(causal=False, sm_scale=0.3)
-    assert_close(run_extend(case, **kw), extend_oracle(case, **kw), torch.float32)
+    assert_close(run_extend(case, device, **kw), extend_oracle(case, **kw), torch.float32)
 
 
-def test_extend_logit_cap(backend):
+def test_extend_logit_cap(device):
     case = make_extend_case([12, 0], [5, 8], 8, 2, 64, torch.float32, seed=4)
     # A scale large enough that the cap changes the result noticeably.
-    got = run_extend(case, logit_cap=5.0, sm_scale=1.0)
+    got = run_extend(case, device, logit_cap=5.0, sm_scale=1.0)
     assert_close(got, extend_oracle(case, logit_cap=5.0, sm_scale=1.0), torch.float32)
     assert (got.double() - extend_oracle(case, sm_scale=1.0)).abs().max() > 1e-2
 
@@ -207,37 +240,40 @@ def decode_oracle(q, pool, kv_indptr, kv_indices, **kw):
     return out
 
 
+def run_decode(q, pool, kv_indptr, kv_indices, device=torch.device("cpu"), **kw) -> torch.Tensor:
+    pool = pool.to(device)
+    q, o, kv_indptr, kv_indices = on(device, q, torch.full_like(q, float("nan")), kv_indptr, kv_indices)
+    K.decode_attention(q, pool.k, pool.v, o, kv_indptr, kv_indices, **kw)
+    return o.cpu()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,hkv,page_size", [(4, 4, 1), (8, 2, 8), (8, 1, 1)])
-def test_decode_matches_sdpa(backend, dtype, heads, hkv, page_size):
-    q, pool, kv_indptr, kv_indices = make_decode_case([1, 45, 130], heads, hkv, 64, dtype, page_size=page_size)
-    o = torch.full_like(q, float("nan"))
-    K.decode_attention(q, pool.k, pool.v, o, kv_indptr, kv_indices)
-    assert_close(o, decode_oracle(q, pool, kv_indptr, kv_indices), dtype)
+def test_decode_matches_sdpa(device, dtype, heads, hkv, page_size):
+    case = make_decode_case([1, 45, 130], heads, hkv, 64, dtype, page_size=page_size)
+    assert_close(run_decode(*case, device), decode_oracle(*case), dtype)
 
 
 @pytest.mark.parametrize("kw", [dict(sliding_window=9), dict(logit_cap=4.0, sm_scale=1.0)])
-def test_decode_window_and_cap(backend, kw):
-    q, pool, kv_indptr, kv_indices = make_decode_case([3, 50], 4, 2, 96, torch.float32, seed=7)
-    o = torch.empty_like(q)
-    K.decode_attention(q, pool.k, pool.v, o, kv_indptr, kv_indices, **kw)
-    assert_close(o, decode_oracle(q, pool, kv_indptr, kv_indices, **kw), torch.float32)
+def test_decode_window_and_cap(device, kw):
+    case = make_decode_case([3, 50], 4, 2, 96, torch.float32, seed=7)
+    assert_close(run_decode(*case, device, **kw), decode_oracle(*case, **kw), torch.float32)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_store_kv_writes_slots_and_skips_negative(backend, page_size):
+def test_store_kv_writes_slots_and_skips_negative(device, page_size):
     gen = torch.Generator().manual_seed(1)
     pool = make_pool(24, 2, 64, torch.bfloat16, page_size, gen, flashinfer_view=page_size > 1)
-    before_k, before_v = pool.k.clone(), pool.v.clone()
     k = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
     v = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
     slots = torch.tensor([17, -1, 0, 23, 5])
-    K.store_kv(k, v, pool.k, pool.v, slots)
-    expect_k, expect_v = before_k.reshape(-1, 2, 64).clone(), before_v.reshape(-1, 2, 64).clone()
+    expect_k, expect_v = pool.k.reshape(-1, 2, 64).clone(), pool.v.reshape(-1, 2, 64).clone()
     keep = slots >= 0
     expect_k[slots[keep]], expect_v[slots[keep]] = k[keep], v[keep]
-    assert torch.equal(pool.k.reshape(-1, 2, 64), expect_k)
-    assert torch.equal(pool.v.reshape(-1, 2, 64), expect_v)
+    pool = pool.to(device)
+    K.store_kv(*on(device, k, v), pool.k, pool.v, slots.to(device))
+    assert torch.equal(pool.k.cpu().reshape(-1, 2, 64), expect_k)
+    assert torch.equal(pool.v.cpu().reshape(-1, 2, 64), expect_v)
 
 
 def test_extend_then_decode_equals_step_by_step_float64():
@@ -265,6 +301,61 @@ def test_slots_from_page_table():
         K.slots_from_page_table(table, torch.tensor([6, 13]), 4)
 
 
+# ---------------------------------------------------------------- Triton only
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_triton_split_kv_ranges_extend_and_decode(triton_device, splits):
+    """Forced flash-decoding splits, including ranges a request's keys never reach."""
+    device = triton_device
+    from pddcore import triton_kernels
+    from pddcore.kernels._checks import check_decode, check_extend
+
+    case = make_extend_case([150, 0, 20], [4, 9, 1], 8, 2, 64, torch.float32, page_size=8, seed=splits)
+    pool = case.pool.to(device)
+    q, k, v, o, qo_indptr, kv_indptr, kv_indices = on(device, case.q, case.k, case.v, torch.full_like(
+        case.q, float("nan")), case.qo_indptr, case.kv_indptr, case.kv_indices)
+    args = (q, k, v, o, pool.k, pool.v, qo_indptr, kv_indptr, kv_indices)
+    batch = check_extend(*args, None, 40, 0.0)
+    triton_kernels.extend_attention(*args, batch, causal=True, sliding_window=40, logit_cap=0.0,
+                                    num_kv_splits=splits)
+    assert_close(o, extend_oracle(case, sliding_window=40), torch.float32)
+
+    q, pool, kv_indptr, kv_indices = make_decode_case([150, 1, 33], 8, 2, 64, torch.float32, seed=splits)
+    expected = decode_oracle(q, pool, kv_indptr, kv_indices)
+    pool = pool.to(device)
+    q, o, kv_indptr, kv_indices = on(device, q, torch.full_like(q, float("nan")), kv_indptr, kv_indices)
+    args = (q, pool.k, pool.v, o, kv_indptr, kv_indices)
+    batch = check_decode(*args, None, -1, 0.0)
+    triton_kernels.decode_attention(*args, batch, sliding_window=-1, logit_cap=0.0, num_kv_splits=splits)
+    assert_close(o, expected, torch.float32)
+
+
+def test_empty_batches_write_nothing(device):
+    case = make_extend_case([5, 0], [0, 0], 4, 2, 64, torch.float32)
+    assert run_extend(case, device).shape == (0, 4, 64)
+    case = make_extend_case([], [], 4, 2, 64, torch.float32)
+    assert run_extend(case, device).shape == (0, 4, 64)
+
+
+def test_triton_rejects_head_dim_over_256(triton_device):
+    case = make_extend_case([3], [2], 2, 2, 320, torch.float32)
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        run_extend(case, triton_device)
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    if TRITON_INTERPRETED:
+        pytest.skip("this process runs Triton interpreted")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("PDDCORE_FORCE_TRITON", "1")
+    case = make_extend_case([4], [2], 2, 2, 64, torch.float32)
+    o = torch.zeros_like(case.q)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        K.extend_attention(*_extend_args(case, o))
+    assert not o.any()
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -280,6 +371,7 @@ BAD_EXTEND = {
     "outside the pool": lambda a: a[8].__setitem__(3, 10_000),
     "multiple of KV heads": lambda a: [a.__setitem__(i, a[i][:, :3]) for i in (0, 3)],
     "one dtype": lambda a: a.__setitem__(1, a[1].half()),
+    "one device": lambda a: a.__setitem__(6, a[6].to("meta")),
     "int32 or int64": lambda a: a.__setitem__(8, a[8].float()),
     "B\\+1 offsets": lambda a: a.__setitem__(7, torch.tensor([0, 37, 42])),
     "k_extend has shape": lambda a: a.__setitem__(1, a[1][:, :, :32]),
@@ -289,10 +381,9 @@ BAD_EXTEND = {
 
 
 @pytest.mark.parametrize("pattern", list(BAD_EXTEND))
-def test_extend_rejects_inconsistent_input(backend, pattern):
+def test_extend_rejects_inconsistent_input(device, pattern):
     case = make_extend_case(*RAGGED[0], 4, 2, 64, torch.float32)
-    o = torch.zeros_like(case.q)
-    args = _extend_args(case, o)
+    args = on(device, *_extend_args(case, torch.zeros_like(case.q)))
     BAD_EXTEND[pattern](args)
     sentinel = args[3].clone()
     with pytest.raises(ValueError, match=pattern):
@@ -308,22 +399,24 @@ def test_extend_rejects_bad_scalars(kw, pattern):
         run_extend(case, **kw)
 
 
-def test_decode_rejects_request_without_its_token():
+def test_decode_rejects_request_without_its_token(device):
     q, pool, _, kv_indices = make_decode_case([4, 5], 2, 2, 64, torch.float32)
-    o = torch.zeros_like(q)
+    pool = pool.to(device)
+    q, o, kv_indices = on(device, q, torch.zeros_like(q), kv_indices)
     with pytest.raises(ValueError, match="requests \\[1\\] have no KV slots"):
-        K.decode_attention(q, pool.k, pool.v, o, torch.tensor([0, 9, 9]), kv_indices)
+        K.decode_attention(q, pool.k, pool.v, o, torch.tensor([0, 9, 9], device=device), kv_indices)
     with pytest.raises(ValueError, match="B\\+1 = 3"):
-        K.decode_attention(q, pool.k, pool.v, o, torch.tensor([0, 9]), kv_indices)
+        K.decode_attention(q, pool.k, pool.v, o, torch.tensor([0, 9], device=device), kv_indices)
     assert not o.any()
 
 
 @pytest.mark.parametrize("slots,pattern", [([0, 24], "outside the pool"), ([3, 3], "one slot twice"),
                                            ([0], "2 tokens")])
-def test_store_kv_rejects_bad_slots(backend, slots, pattern):
-    k_pool, v_pool = torch.zeros(24, 2, 64), torch.zeros(24, 2, 64)
+def test_store_kv_rejects_bad_slots(device, slots, pattern):
+    k_pool, v_pool, k, v = on(device, torch.zeros(24, 2, 64), torch.zeros(24, 2, 64), torch.ones(2, 2, 64),
+                              torch.ones(2, 2, 64))
     with pytest.raises(ValueError, match=pattern):
-        K.store_kv(torch.ones(2, 2, 64), torch.ones(2, 2, 64), k_pool, v_pool, torch.tensor(slots))
+        K.store_kv(k, v, k_pool, v_pool, torch.tensor(slots, device=device))
     assert not k_pool.any() and not v_pool.any()
 
 

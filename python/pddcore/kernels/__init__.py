@@ -86,9 +86,13 @@ def extend_attention(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: t
     """
     batch = check_extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
                          qo_indptr, kv_indptr, kv_indices, sm_scale, sliding_window, logit_cap)
-    impl = _triton() if uses_triton(q_extend) else reference
-    impl.extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indices, batch,
-                          causal=bool(causal), sliding_window=sliding_window, logit_cap=float(logit_cap))
+    options = dict(causal=bool(causal), sliding_window=sliding_window, logit_cap=float(logit_cap))
+    if uses_triton(q_extend):
+        _triton().extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
+                                   qo_indptr, kv_indptr, kv_indices, batch, **options)
+    else:
+        reference.extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indices, batch,
+                                   **options)
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
@@ -101,9 +105,11 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     Writes ``o`` in place.
     """
     batch = check_decode(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale, sliding_window, logit_cap)
-    impl = _triton() if uses_triton(q) else reference
-    impl.decode_attention(q, k_buffer, v_buffer, o, kv_indices, batch, sliding_window=sliding_window,
-                          logit_cap=float(logit_cap))
+    options = dict(sliding_window=sliding_window, logit_cap=float(logit_cap))
+    if uses_triton(q):
+        _triton().decode_attention(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, batch, **options)
+    else:
+        reference.decode_attention(q, k_buffer, v_buffer, o, kv_indices, batch, **options)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
