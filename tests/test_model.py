@@ -22,6 +22,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The model's ops are tiny: on two shared cores OpenMP threads only spin (20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model() -> Model:
     return Model.default(seed=0)
@@ -135,6 +144,15 @@ def test_prefill_then_decode_equals_full_forward(model):
     assert [s.num_tokens for s in seqs] == [a + b for a, b in lengths]
 
 
+def test_module_docstring_example_runs():
+    import textwrap
+
+    import pddcore.model
+
+    example = pddcore.model.__doc__.split("Example (")[1].split("::\n", 1)[1]
+    exec(compile(textwrap.dedent(example), "pddcore.model docstring", "exec"), {})
+
+
 def test_generate_greedy_equals_argmax_of_full_forwards(model):
     prompt = [5, 900, 77, 4000, 12, 3]
     out = generate(model, prompt, 6)
@@ -144,6 +162,9 @@ def test_generate_greedy_equals_argmax_of_full_forwards(model):
         tokens.append(int(model.prefill([seq], [tokens]).argmax()))
     assert out == tokens[len(prompt):]
     assert len(set(out)) > 1
+    assert generate(model, prompt, 6, stop_token_ids=[out[2]]) == out[:out.index(out[2]) + 1]
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(model, [], 3)
 
 
 def _kv_rows(pool: KVPool, seq, start: int, end: int) -> torch.Tensor:
@@ -156,7 +177,7 @@ def test_extend_recompute_equals_decode_steps(model):
     recomputes those N tokens with one extend. Same KV, same greedy continuation."""
     rng = random.Random(4)
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (21, 8)]
-    handoff_after = [13, 20]
+    handoff_after = [13, 40]
     rld_pool, md_pool = model.new_pool(32, page_size=8), model.new_pool(32, page_size=8)
     rld = [rld_pool.new_sequence() for _ in prompts]
     generated = [[int(t)] for t in model.prefill(rld, prompts).argmax(-1)]
@@ -182,10 +203,29 @@ def test_extend_recompute_equals_decode_steps(model):
                                    rtol=1e-12, atol=1e-12)
 
     rld_tail, md_tail = [rld_next], [md_next]
-    for _ in range(6):
+    for _ in range(12):
         rld_tail.append(model.decode(rld, rld_tail[-1]).argmax(-1).tolist())
         md_tail.append(model.decode(md, md_tail[-1]).argmax(-1).tolist())
     assert rld_tail == md_tail
+
+
+def test_md_assembles_cached_prefix_and_shipped_suffix(model):
+    """Decode-side prefix cache: MD holds the first 16 tokens from an earlier turn, P ships
+    only the pages of the suffix; MD's next logits equal P's."""
+    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(27)]
+    p_pool, md_pool = model.new_pool(8, page_size=8), model.new_pool(8, page_size=8)
+    p_seq = p_pool.new_sequence()
+    model.prefill([p_seq], [prompt])
+    cached = md_pool.new_sequence()
+    model.prefill([cached], [prompt[:19]])               # an earlier turn, longer than the hit
+
+    md_seq = md_pool.fork(cached, 16)                     # page-aligned hit: shares two pages
+    new_pages = md_pool.append_external(md_seq, len(prompt) - 16)
+    assert len(new_pages) == 2 and md_seq.num_tokens == 27
+    suffix = torch.tensor(p_seq.pages[2:])
+    pddcore.unpack(md_pool.layout(), torch.tensor(new_pages), pddcore.pack(p_pool.layout(), suffix))
+
+    torch.testing.assert_close(model.decode([md_seq], [11]), model.decode([p_seq], [11]), rtol=0, atol=1e-12)
 
 
 def test_seeded_sampling_continues_identically_after_handoff(model):
@@ -195,7 +235,7 @@ def test_seeded_sampling_continues_identically_after_handoff(model):
     assert reference != generate(model, prompt, 12, sampling=params, seed=78)
     assert reference != generate(model, prompt, 12)
 
-    for handoff_at in (1, 7):
+    for handoff_at in (1, 7, 11):
         rld = model.new_pool(8).new_sequence()
         state = SamplerState(seed=77)
         out = sample(model.prefill([rld], [prompt]), [params], [state])
@@ -242,6 +282,8 @@ def test_bad_inputs_raise_and_change_nothing(model):
         model.extend([seq, other], [[5], [1, 2, 4096]])
     with pytest.raises(ValueError, match="token id -1"):
         model.decode([seq], [-1])
+    with pytest.raises(ValueError, match="must be integers"):
+        model.extend([seq], [torch.tensor([1.0, 2.5])])
     with pytest.raises(PoolExhaustedError, match="need 3 pages, 2 of 3 are free"):
         model.extend([seq, other], [[7, 7], [1] * 8])
     assert (seq.num_tokens, other.num_tokens, other.pages) == (3, 0, [])

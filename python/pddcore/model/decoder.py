@@ -9,6 +9,7 @@ token first and runs ``decode_attention`` over all of the request's slots.
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -109,8 +110,7 @@ class Model:
     def decode(self, seqs: Sequence[SequenceKV], token_ids: TokenIds) -> torch.Tensor:
         """One step: appends ``token_ids[i]`` (a single token) to ``seqs[i]``, which must
         already hold at least one token. Returns logits ``[B, vocab]``."""
-        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
-        lists = self._check_request(seqs, [[t] for t in ids])
+        lists = self._check_request(seqs, [[t] for t in _token_list(None, token_ids)])
         fresh = [i for i, s in enumerate(seqs) if s.num_tokens == 0]
         if fresh:
             raise ValueError(f"requests {fresh[:8]} hold no tokens yet; prefill them before decoding")
@@ -138,7 +138,7 @@ class Model:
             raise ValueError(f"requests {released[:8]} use sequences that were already released")
         lists = []
         for i, ids in enumerate(token_ids):
-            ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(t) for t in ids]
+            ids = _token_list(i, ids)
             bad = [(j, t) for j, t in enumerate(ids) if not 0 <= t < c.vocab_size]
             if bad:
                 j, t = bad[0]
@@ -198,3 +198,12 @@ class Model:
             hidden = hidden + F.linear(out.view(num_tokens, c.q_size), layer.o, layer.o_bias)
             hidden = hidden + swiglu_mlp(rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps), layer)
         return hidden
+
+
+def _token_list(request: int | None, ids: TokenIds) -> list[int]:
+    values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    try:
+        return [operator.index(t) for t in values]
+    except TypeError:
+        where = "decode tokens" if request is None else f"request {request}"
+        raise ValueError(f"{where}: token ids must be integers, got {values[:8]}") from None

@@ -87,10 +87,22 @@ class KVPool:
 
     def allocate_sequence(self, num_tokens: int) -> SequenceKV:
         """A sequence of ``num_tokens`` tokens whose KV the caller writes itself (for
-        example with ``pddcore.unpack(pool.layout(), seq.pages, buf)``)."""
+        example with ``pddcore.unpack(pool.layout(), torch.tensor(seq.pages), buf)``)."""
+        seq = self.new_sequence()
+        self.append_external(seq, num_tokens)
+        return seq
+
+    def append_external(self, seq: SequenceKV, num_tokens: int) -> list[int]:
+        """Counts ``num_tokens`` more tokens as held by ``seq`` although their KV is written
+        from outside the model (a transfer into the pages); reserves pages as needed and
+        returns the newly reserved ones. With a page-aligned ``seq`` (for example a fork
+        of a cached prefix) those new pages are exactly where the incoming pages go."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return SequenceKV(self, self.allocator.alloc(self.pages_for(num_tokens)), num_tokens)
+        before = len(seq.pages)
+        self.reserve([seq], [num_tokens])
+        seq.num_tokens += num_tokens
+        return seq.pages[before:]
 
     def fork(self, parent: SequenceKV, num_tokens: int | None = None) -> SequenceKV:
         """A new sequence whose first ``num_tokens`` (default: all) tokens are ``parent``'s.
