@@ -361,3 +361,119 @@ def test_frozen_peer_fails_after_timeout(backend):
                 os.kill(victim.process.pid, signal.SIGCONT)
     finally:
         victim.close()
+
+
+# ---- wire level (tcp data protocol) ----------------------------------------------------
+
+_HELLO = struct.Struct("<IHBBQ16s64s")
+_CHALLENGE = struct.Struct("<IHBQ16s")
+_RESULT = struct.Struct("<B32s96s")
+_CHUNK = struct.Struct("<IHHQQQII")
+_ACK = struct.Struct("<IBBHQ")
+HELLO_MAGIC, CHUNK_MAGIC, ACK_MAGIC = 0x48444450, 0x43444450, 0x41444450
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        if not part:
+            raise ConnectionError("closed")
+        data += part
+    return data
+
+
+def python_handshake(address: str, token: bytes | None, kind: int = 1) -> socket.socket:
+    """An independent client of the handshake, with Python's hmac: HMAC-SHA256(token,
+    label + hello + challenge) each way."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    hello = _HELLO.pack(HELLO_MAGIC, 1, kind, 0, 42, os.urandom(16), b"127.0.0.1:1".ljust(64, b"\0"))
+    sock.sendall(hello)
+    challenge = _recv_exact(sock, _CHALLENGE.size)
+    mac = b"\0" * 32 if token is None else hmac.new(token, b"pddcore client proof" + hello + challenge,
+                                                      hashlib.sha256).digest()
+    sock.sendall(mac)
+    status, server_mac, reason = _RESULT.unpack(_recv_exact(sock, _RESULT.size))
+    if status != 0:
+        sock.close()
+        raise PermissionError(reason.rstrip(b"\0").decode())
+    expected = hmac.new(token, b"pddcore server proof" + hello + challenge, hashlib.sha256).digest()
+    assert hmac.compare_digest(server_mac, expected), "server did not prove the token"
+    return sock
+
+
+def chunk_frame(seq: int, region: int, offset: int, payload: bytes, crc: int | None = None) -> bytes:
+    head = _CHUNK.pack(CHUNK_MAGIC, 1, 0, seq, region, offset, len(payload),
+                       _C.crc32c(payload) if crc is None else crc)
+    return head + struct.pack("<II", _C.crc32c(head), 0) + payload
+
+
+@pytest.fixture(scope="module")
+def target():
+    """An in-process engine with one region, as the target of hand-made frames."""
+    with TransferEngine("tcp", auth_token=TOKEN, timeout_s=2.0) as engine:
+        buf = bytearray(4096)
+        region = engine.register(buf)
+        yield engine, region, buf
+
+
+def test_python_client_speaks_the_wire_format(target):
+    engine, region, buf = target
+    with pytest.raises(PermissionError, match="authentication failed"):
+        python_handshake(engine.address, b"not the token")
+    with python_handshake(engine.address, TOKEN) as sock:
+        payload = os.urandom(100)
+        sock.sendall(chunk_frame(7, region.id, 10, payload))
+        assert _ACK.unpack(_recv_exact(sock, _ACK.size)) == (ACK_MAGIC, 0, 0, 0, 7)
+        assert bytes(buf[10:110]) == payload
+        before = bytes(buf)
+        sock.sendall(chunk_frame(8, region.id, 4000, b"x" * 200))  # past the end
+        assert _ACK.unpack(_recv_exact(sock, _ACK.size))[1] == 3
+        sock.sendall(chunk_frame(9, region.id + 99, 0, b"y" * 16))  # no such region
+        assert _ACK.unpack(_recv_exact(sock, _ACK.size))[1] == 2
+        sock.sendall(chunk_frame(10, region.id, 0, b"z" * 64, crc=1234))  # bad CRC
+        assert _ACK.unpack(_recv_exact(sock, _ACK.size))[1] == 1
+        assert bytes(buf[64:]) == before[64:]  # rejected frames wrote nothing, the bad-CRC one stayed in range
+        sock.sendall(b"\x00" * 48)  # bad magic: refused, connection closed
+        assert _ACK.unpack(_recv_exact(sock, _ACK.size))[1] == 4
+        assert sock.recv(1) == b""
+
+
+def _good_peer_still_served(engine: TransferEngine, region, buf: bytearray) -> None:
+    with TransferEngine("tcp", auth_token=TOKEN) as good:
+        data = os.urandom(1024)
+        src = good.register(bytearray(data))
+        good.write(good.connect(engine.address), src, 0, region.descriptor(), 2048, 1024).wait(timeout=30)
+        assert bytes(buf[2048:3072]) == data
+
+
+frames = st.one_of(
+    st.binary(max_size=300),  # garbage before any handshake
+    st.builds(lambda cut, tail: _HELLO.pack(HELLO_MAGIC, 1, 1, 0, 1, b"\0" * 16, b"\0" * 64)[:cut] + tail,
+              st.integers(0, _HELLO.size), st.binary(max_size=64)),  # truncated or trailing-garbage hello
+)
+after_handshake = st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda off, n, cut: chunk_frame(1, 1, off, b"p" * n)[:cut],
+              st.integers(0, 1 << 40), st.integers(0, 5000), st.integers(0, 6000)),  # truncated chunks
+    st.builds(lambda length: _CHUNK.pack(CHUNK_MAGIC, 1, 0, 1, 1, 0, length, 0), st.integers(0, 2**32 - 1)),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=frames, authed=after_handshake)
+def test_garbage_on_the_port_does_not_disturb_a_good_peer(target, raw, authed):
+    engine, region, buf = target
+    host, port = engine.address.rsplit(":", 1)
+    for payload, handshake in ((raw, False), (authed, True)):
+        try:
+            sock = (python_handshake(engine.address, TOKEN) if handshake
+                    else socket.create_connection((host, int(port)), timeout=5))
+            with sock:
+                sock.sendall(payload)
+                sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the engine may close on us first
+    _good_peer_still_served(engine, region, buf)
+    assert engine.stats()["transfers_failed"] == 0
