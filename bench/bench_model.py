@@ -1,0 +1,58 @@
+"""The reference model's handoff recompute: one extend pass over N tokens against the
+N decode steps that produced them (the baseline, measured in the same run), on the
+embedded float64 CPU model.
+
+    flock /tmp/pddcore-bench.lock python -m pytest bench/bench_model.py --benchmark-only -s
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pddcore.benchmarks.timing import best_seconds
+from pddcore.model import Model
+
+
+@pytest.fixture(scope="module")
+def model():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: extra OpenMP threads only contend on a small CPU
+    yield Model.default(seed=0)
+    torch.set_num_threads(threads)
+
+
+def run_case(model: Model, prefix_len: int, new_tokens: int) -> dict:
+    pool = model.new_pool(num_pages=(prefix_len + new_tokens) // 16 + 8, page_size=16)
+    prefix = pool.new_sequence()
+    model.prefill([prefix], [[(31 * i + 7) % model.config.vocab_size for i in range(prefix_len)]])
+    tokens = [(17 * i + 5) % model.config.vocab_size for i in range(new_tokens)]
+
+    def decode_steps():
+        seq = pool.fork(prefix)
+        for t in tokens:
+            logits = model.decode([seq], [t])
+        pool.release(seq)
+        return logits
+
+    def extend_once():
+        seq = pool.fork(prefix)
+        logits = model.extend([seq], [tokens])
+        pool.release(seq)
+        return logits
+
+    torch.testing.assert_close(extend_once(), decode_steps(), rtol=0, atol=1e-10)
+    decode_s = best_seconds(decode_steps, repeats=3)
+    extend_s = best_seconds(extend_once, repeats=3)
+    return {"prefix": prefix_len, "new_tokens": new_tokens, "decode_steps_s": decode_s, "extend_s": extend_s,
+            "extend_speedup_vs_decode_steps": decode_s / extend_s}
+
+
+@pytest.mark.parametrize("new_tokens", [16, 100])
+@pytest.mark.parametrize("prefix_len", [512, 2048])
+def test_extend_vs_decode_steps(benchmark, model, prefix_len, new_tokens):
+    result = benchmark.pedantic(run_case, args=(model, prefix_len, new_tokens), rounds=1, iterations=1)
+    benchmark.extra_info.update(result)
+    print(f"\nprefix {prefix_len:5d}, {new_tokens:3d} tokens: {new_tokens} decode steps {result['decode_steps_s'] * 1e3:8.1f} ms,"
+          f" one extend {result['extend_s'] * 1e3:7.1f} ms  -> x{result['extend_speedup_vs_decode_steps']:.1f}")
+    assert result["extend_speedup_vs_decode_steps"] > 0
