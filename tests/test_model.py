@@ -8,6 +8,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pddcore
 from pddcore.model import (KVPool, Model, ModelConfig, PageAllocator, PoolExhaustedError, SamplerState,
@@ -142,6 +144,29 @@ def test_prefill_then_decode_equals_full_forward(model):
         for row, i in enumerate(active):
             torch.testing.assert_close(logits[row], full[i][lengths[i][0] + step], rtol=0, atol=1e-10)
     assert [s.num_tokens for s in seqs] == [a + b for a, b in lengths]
+
+
+TINY = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=8, tie_word_embeddings=True)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(page_size=st.integers(1, 7), data=st.data(),
+       shape=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)), min_size=1, max_size=4))
+def test_ragged_extend_batch_equals_separate_prefills(page_size, data, shape):
+    """A batch of requests with random cached-prefix and new-token counts, on a random page
+    size, gives every token the logits of a one-request prefill of the whole sequence."""
+    model = Model.default(seed=5, config=TINY)
+    seqs_tokens = [data.draw(st.lists(st.integers(0, 96), min_size=a + b, max_size=a + b)) for a, b in shape]
+    pool = model.new_pool(num_pages=sum(-(-(a + b) // page_size) for a, b in shape) * 2 + 4, page_size=page_size)
+    seqs = [pool.new_sequence() for _ in shape]
+    for seq, tokens, (a, _) in zip(seqs, seqs_tokens, shape):
+        if a:
+            model.prefill([seq], [tokens[:a]])
+    got = model.extend(seqs, [t[a:] for t, (a, _) in zip(seqs_tokens, shape)], all_logits=True)
+    want = torch.cat([model.prefill([pool.new_sequence()], [t], all_logits=True)[a:]
+                      for t, (a, _) in zip(seqs_tokens, shape)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_module_docstring_example_runs():

@@ -64,10 +64,10 @@ class KVPool:
         self.page_size = int(page_size)
         self.allocator = PageAllocator(num_pages)
         self.dtype = dtype
-        self.device = torch.device(device)
         shape = (num_pages * self.page_size, config.num_kv_heads, config.head_dim)
-        self.k_layers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_layers)]
-        self.v_layers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_layers)]
+        self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.device = self.k_layers[0].device  # "cuda" resolved to "cuda:N", as the model's weights are
 
     @property
     def num_pages(self) -> int:
