@@ -40,9 +40,7 @@ def _serve(conn, engine_kwargs: dict) -> None:
                 deadline = time.monotonic() + args[0]
                 got = []
                 while not got and time.monotonic() < deadline:
-                    got = engine.poll_messages()
-                    if not got:
-                        time.sleep(0.0005)
+                    got = engine.poll_messages(timeout=deadline - time.monotonic())
                 now = time.monotonic()
                 reply = [(p, m, now, digest(buffers[args[1]]) if args[1] is not None else None) for p, m in got]
             elif cmd == "stats":

@@ -89,13 +89,19 @@ void bind_transfer(nb::module_& m) {
             e.send(peer, body);
           },
           nb::arg("peer"), nb::arg("message"))
-      .def("poll_messages",
-           [](Engine& e) {
-             nb::list out;
-             for (auto& [from, body] : e.poll_messages())
-               out.append(nb::make_tuple(from, nb::bytes(body.data(), body.size())));
-             return out;
-           })
+      .def(
+          "poll_messages",
+          [](Engine& e, double timeout_s) {
+            std::vector<std::pair<std::string, std::string>> got;
+            {
+              nb::gil_scoped_release release;
+              got = e.poll_messages(timeout_s);
+            }
+            nb::list out;
+            for (auto& [from, body] : got) out.append(nb::make_tuple(from, nb::bytes(body.data(), body.size())));
+            return out;
+          },
+          nb::arg("timeout_s"))
       .def(
           "remote_regions",
           [](Engine& e, const std::shared_ptr<Peer>& peer) {

@@ -50,6 +50,10 @@ void Engine::close() {
     closing_ = true;
   }
   wake_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(inbox_mutex_);  // so a poll_messages waiter sees closing_
+  }
+  inbox_cv_.notify_all();
   watchdog_thread_.join();
   listener_.shutdown();
   accept_thread_.join();
@@ -233,9 +237,12 @@ void Engine::serve_control(const Socket& s, const std::string& from) {
     switch (header.type) {
       case wire::ControlType::kMessage:
       case wire::ControlType::kNotify: {
-        std::lock_guard<std::mutex> lock(inbox_mutex_);
-        inbox_.emplace_back(from, std::move(body));
-        ++messages_received_;
+        {
+          std::lock_guard<std::mutex> lock(inbox_mutex_);
+          inbox_.emplace_back(from, std::move(body));
+          ++messages_received_;
+        }
+        inbox_cv_.notify_all();
         continue;
       }
       case wire::ControlType::kPing:
@@ -335,8 +342,10 @@ void Engine::send(const PeerPtr& peer, const std::string& message) {
   ++messages_sent_;
 }
 
-std::vector<std::pair<std::string, std::string>> Engine::poll_messages() {
-  std::lock_guard<std::mutex> lock(inbox_mutex_);
+std::vector<std::pair<std::string, std::string>> Engine::poll_messages(double timeout_s) {
+  std::unique_lock<std::mutex> lock(inbox_mutex_);
+  if (timeout_s > 0)
+    inbox_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return !inbox_.empty() || closing_; });
   std::vector<std::pair<std::string, std::string>> out(std::make_move_iterator(inbox_.begin()),
                                                        std::make_move_iterator(inbox_.end()));
   inbox_.clear();

@@ -87,7 +87,8 @@ class Engine final : public BackendHost {
   // A priority-lane message: written at once on the peer's control connection.
   void send(const PeerPtr& peer, const std::string& message);
   // Messages and notifications received since the last call: (sender address, payload).
-  std::vector<std::pair<std::string, std::string>> poll_messages();
+  // Waits up to timeout_s (0: not at all) for the first one when there is none.
+  std::vector<std::pair<std::string, std::string>> poll_messages(double timeout_s);
   // The peer's registered regions (for adapters that address memory by pointer).
   std::vector<wire::RegionEntry> remote_regions(const PeerPtr& peer);
 
@@ -160,6 +161,7 @@ class Engine final : public BackendHost {
   uint64_t next_transfer_id_ = 1;
 
   std::mutex inbox_mutex_;
+  std::condition_variable inbox_cv_;
   std::deque<std::pair<std::string, std::string>> inbox_;
 
   std::mutex pace_mutex_;

@@ -359,10 +359,11 @@ class TransferEngine:
             raise TypeError(f"message must be bytes, got {type(message).__name__}")
         self._core.send(peer._handle, bytes(message))
 
-    def poll_messages(self) -> list[tuple[str, bytes]]:
+    def poll_messages(self, timeout: float = 0.0) -> list[tuple[str, bytes]]:
         """Messages and write notifications received since the last call, in arrival order,
-        as ``(sender address, payload)``; the sender address can be passed to connect()."""
-        return self._core.poll_messages()
+        as ``(sender address, payload)``; the sender address can be passed to connect().
+        When there are none, waits up to ``timeout`` seconds (GIL released) for the first."""
+        return self._core.poll_messages(float(timeout))
 
     def remote_regions(self, peer: Peer) -> list[tuple[int, int, int]]:
         """The peer's registered regions as ``(region_id, base_address, nbytes)``."""

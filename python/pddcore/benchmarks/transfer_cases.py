@@ -1,0 +1,314 @@
+"""TransferEngine throughput and priority-lane latency, each against an in-run baseline.
+
+- Loopback: the engine writes ``nbytes`` from this process into a region of an engine in
+  another process, as one write with the given ``chunk_bytes`` over ``streams``
+  connections; the baseline is a plain-socket ``sendall`` / ``recv_into`` loop between two
+  processes moving the same bytes over the same number of connections, in pieces of the
+  same size. Best of ``rounds`` for each; ratio = engine / raw.
+- WAN (root): through :class:`~pddcore.testing.wan.WanLink` at a given rate and RTT, the
+  engine writes ``nbytes`` as ``piece_bytes`` pieces scattered over the destination (KV
+  pages: nothing coalesces); ratio = goodput / line rate. Then priority-lane one-way
+  latency (both namespaces share CLOCK_MONOTONIC): probes on an idle link, then under a
+  bulk transfer that saturates it, unpaced and paced by ``rate_limit_bps`` just below
+  the line rate.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import struct
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+CHUNK_BYTES = (64 << 10, 1 << 20, 16 << 20)
+STREAMS = (1, 4, 8)
+_PROBE = struct.Struct("<3sBd")  # b"lat", phase, send time
+
+
+def _write_info(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+
+
+def _read_info(path: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"receiver did not start ({path})")
+        time.sleep(0.01)
+    with open(path) as f:
+        return f.read()
+
+
+# ---- receivers (run in another process or namespace) -------------------------------------
+
+
+def engine_sink(listen: str, nbytes: int, info_path: str) -> list[tuple[int, float, float]]:
+    """Registers ``nbytes``, publishes address and descriptor, records latency probes
+    (phase, sent, arrived) until an ``exit`` message."""
+    from pddcore.transfer import TransferEngine
+
+    probes = []
+    with TransferEngine(listen=listen) as engine:
+        region = engine.register(bytearray(nbytes))
+        _write_info(info_path, region.descriptor().hex())
+        while True:
+            for _, message in engine.poll_messages(timeout=1.0):
+                now = time.monotonic()
+                if message == b"exit":
+                    return probes
+                if len(message) == _PROBE.size and message[:3] == b"lat":
+                    _, phase, sent = _PROBE.unpack(message)
+                    probes.append((phase, sent, now))
+
+
+def raw_sink(port_path: str, plan: list[tuple[int, int]]) -> None:
+    """For each (streams, nbytes) of the plan, each ``rounds`` times (given by the sender):
+    accepts ``streams`` connections, receives nbytes split evenly, answers one byte each."""
+    listener = socket.socket()
+    listener.bind(("0.0.0.0", 0))
+    listener.listen(64)
+    _write_info(port_path, str(listener.getsockname()[1]))
+    buf = bytearray(max(n for _, n in plan))
+    view = memoryview(buf)
+    for streams, nbytes in plan:
+        conns = [listener.accept()[0] for _ in range(streams)]
+        share = nbytes // streams
+
+        def receive(conn: socket.socket, part: memoryview) -> None:
+            got = 0
+            while got < len(part):
+                n = conn.recv_into(part[got:])
+                if n == 0:
+                    raise ConnectionError("sender closed early")
+                got += n
+            conn.sendall(b"k")
+
+        threads = [threading.Thread(target=receive, args=(c, view[i * share:(i + 1) * share]))
+                   for i, c in enumerate(conns)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for c in conns:
+            c.close()
+
+
+# ---- loopback ---------------------------------------------------------------------------
+
+
+def _raw_round(port: int, data: memoryview, streams: int, piece: int) -> float:
+    share = len(data) // streams
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+
+    def send(conn: socket.socket, part: memoryview) -> None:
+        for off in range(0, len(part), piece):
+            conn.sendall(part[off:off + piece])
+        if conn.recv(1) != b"k":
+            raise ConnectionError("receiver did not confirm")
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=send, args=(c, data[i * share:(i + 1) * share])) for i, c in enumerate(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    for c in conns:
+        c.close()
+    return elapsed
+
+
+@dataclass
+class LoopbackResult:
+    chunk_bytes: int
+    streams: int
+    nbytes: int
+    engine_gbps: float
+    raw_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.engine_gbps / self.raw_gbps
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 3, chunk_sizes=CHUNK_BYTES,
+                    streams_list=STREAMS) -> list[LoopbackResult]:
+    """Every (chunk size, streams) point, engine and raw socket, in one run."""
+    import torch
+
+    from pddcore.transfer import TransferEngine
+
+    configs = [(c, s) for c in chunk_sizes for s in streams_list]
+    ctx = mp.get_context("spawn")
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        info, port_path = os.path.join(tmp, "engine"), os.path.join(tmp, "raw")
+        sink = ctx.Process(target=engine_sink, args=("127.0.0.1:0", nbytes, info), daemon=True)
+        plan = [(s, nbytes) for _, s in configs for _ in range(rounds + 1)]
+        raw = ctx.Process(target=raw_sink, args=(port_path, plan), daemon=True)
+        sink.start()
+        raw.start()
+        try:
+            desc = bytes.fromhex(_read_info(info))
+            port = int(_read_info(port_path))
+            raw_view = memoryview(data.numpy())
+            for chunk, streams in configs:
+                with TransferEngine(streams=streams, chunk_bytes=chunk) as engine:
+                    src = engine.register(data)
+                    peer = engine.connect(desc_address(desc))
+                    times = []
+                    for _ in range(rounds + 1):  # the first round also opens the streams
+                        start = time.perf_counter()
+                        engine.write(peer, src, 0, desc, 0, nbytes).wait()
+                        times.append(time.perf_counter() - start)
+                    engine_s = min(times[1:])
+                    if chunk == configs[-1][0] and streams == configs[-1][1]:
+                        engine.send(peer, b"exit")
+                raw_s = min(_raw_round(port, raw_view, streams, chunk) for _ in range(rounds + 1))
+                results.append(LoopbackResult(chunk, streams, nbytes, nbytes / engine_s / 1e9, nbytes / raw_s / 1e9))
+        finally:
+            sink.join(30)
+            raw.join(30)
+            for p in (sink, raw):
+                if p.is_alive():
+                    p.kill()
+    return results
+
+
+def desc_address(descriptor: bytes) -> str:
+    from pddcore.transfer import RegionDescriptor
+
+    return RegionDescriptor.from_bytes(descriptor).address
+
+
+# ---- WAN --------------------------------------------------------------------------------
+
+
+def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, chunk_bytes: int,
+                  probes: int, probe_gap_s: float, pace_bps: float) -> dict:
+    """Sender side of :func:`wan_case`; runs inside namespace a."""
+    import numpy as np
+
+    from pddcore.transfer import TransferEngine
+
+    desc = bytes.fromhex(_read_info(info_path))
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    pages = nbytes // piece_bytes
+    order = list(range(pages))
+    random.Random(1).shuffle(order)
+    batch = 1024
+
+    def writes(region):
+        return [[(region, i * piece_bytes, desc, order[i] * piece_bytes, piece_bytes)
+                 for i in range(b, min(b + batch, pages))] for b in range(0, pages, batch)]
+
+    def bulk(engine, peer, region):
+        return [engine.write_batch(peer, w) for w in writes(region)]
+
+    def probe(engine, peer, phase, busy):
+        for _ in range(probes):
+            engine.send(peer, _PROBE.pack(b"lat", phase, time.monotonic()))
+            time.sleep(probe_gap_s)
+            if busy and all(t.done() for t in busy):
+                raise RuntimeError("the bulk transfer ended before the probes: make it bigger")
+
+    def loaded(engine, phase):
+        src = engine.register(data)
+        peer = engine.connect(desc_address(desc))
+        transfers = bulk(engine, peer, src)
+        time.sleep(1.0)  # let the bulk flows fill the pipe and the bottleneck queue
+        probe(engine, peer, phase, transfers)
+        for t in transfers:
+            t.cancel()
+        return peer
+
+    out = {}
+    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes) as engine:
+        region = engine.register(data)
+        peer = engine.connect(desc_address(desc))
+        engine.write(peer, region, 0, desc, 0, piece_bytes).wait()  # opens the streams
+        start = time.perf_counter()
+        for t in bulk(engine, peer, region):
+            t.wait()
+        out["seconds"] = time.perf_counter() - start
+        out["peer_stats"] = engine.stats()["peers"][peer.address]
+        probe(engine, peer, 0, None)
+        loaded(engine, 1)
+    # Paced just below the line rate, the bulk flows keep the bottleneck queue short.
+    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, rate_limit_bps=pace_bps) as paced:
+        peer = loaded(paced, 2)
+        paced.send(peer, b"exit")
+    return out
+
+
+@dataclass
+class WanResult:
+    rate_bps: int
+    rtt_ms: float
+    nbytes: int
+    piece_bytes: int
+    streams: int
+    goodput_gbps: float
+    idle_latency_ms: float
+    loaded_latency_ms: float
+    paced_latency_ms: float
+    pace_bps: float
+    stats_throughput_gbps: float  # what TransferEngine.stats() reported for the peer
+    stats_rtt_ms: float
+    latencies_ms: dict = field(default_factory=dict)
+
+    @property
+    def ratio_to_line_rate(self) -> float:
+        return self.goodput_gbps * 1e9 / self.rate_bps
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio_to_line_rate": self.ratio_to_line_rate,
+                "loaded_over_idle": self.loaded_latency_ms / self.idle_latency_ms,
+                "paced_over_idle": self.paced_latency_ms / self.idle_latency_ms}
+
+
+def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30, piece_bytes: int = 64 << 10,
+             streams: int = 4, chunk_bytes: int = 1 << 20, probes: int = 20, pace_fraction: float = 0.9) -> WanResult:
+    from ..testing.wan import WanLink
+
+    with WanLink(rate=rate, delay_ms=delay_ms) as link, tempfile.TemporaryDirectory() as tmp:
+        info = os.path.join(tmp, "engine")
+        pace_bps = link.rate_bps * pace_fraction
+        sink = link.b.spawn(engine_sink, f"{link.b.address}:9300", nbytes, info)
+        sent = link.a.call(engine_source, info, nbytes, piece_bytes, streams, chunk_bytes, probes,
+                           max(0.02, 2 * delay_ms / 1000), pace_bps, timeout=600)
+        samples = sink.result(60)
+        rate_bps = link.rate_bps
+    lat = {phase: [1000 * (arrived - sent_at) for p, sent_at, arrived in samples if p == phase] for phase in (0, 1, 2)}
+    med = {phase: statistics.median(v) for phase, v in lat.items()}
+    return WanResult(rate_bps, 2 * delay_ms, nbytes, piece_bytes, streams, nbytes * 8 / sent["seconds"] / 1e9,
+                     med[0], med[1], med[2], pace_bps, sent["peer_stats"]["throughput_bps"] / 1e9,
+                     sent["peer_stats"]["rtt_s"] * 1000, {str(k): v for k, v in lat.items()})
+
+
+def format_loopback(results: list[LoopbackResult]) -> str:
+    lines = ["chunk     streams  engine GB/s  raw GB/s  ratio"]
+    for r in results:
+        lines.append(f"{r.chunk_bytes >> 10:>6} KiB {r.streams:>6} {r.engine_gbps:>11.2f} {r.raw_gbps:>9.2f} {r.ratio:>6.2f}")
+    return "\n".join(lines)
+
+
+def format_wan(r: WanResult) -> str:
+    d = r.as_dict()
+    return (f"{r.rate_bps / 1e9:.1f} Gbit/s, RTT {r.rtt_ms:.0f} ms, {r.nbytes >> 20} MiB as {r.piece_bytes >> 10} KiB "
+            f"pieces, {r.streams} streams: goodput {r.goodput_gbps:.3f} Gbit/s = {d['ratio_to_line_rate']:.3f}x line "
+            f"rate; priority one-way latency idle {r.idle_latency_ms:.2f} ms, under bulk {r.loaded_latency_ms:.2f} ms "
+            f"({d['loaded_over_idle']:.2f}x), under bulk paced at {r.pace_bps / 1e9:.2f} Gbit/s "
+            f"{r.paced_latency_ms:.2f} ms ({d['paced_over_idle']:.2f}x)")
