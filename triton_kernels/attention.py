@@ -55,7 +55,7 @@ def _attention_fwd(
     req = tl.program_id(0) // num_m_blocks
     m_block = tl.program_id(0) % num_m_blocks
     kv_head = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2)
+    split = tl.program_id(2).to(tl.int64)
 
     q_start = tl.load(qo_indptr + req).to(tl.int64)
     q_len = tl.load(qo_indptr + req + 1).to(tl.int64) - q_start
@@ -177,16 +177,20 @@ def _merge_splits(
     m = tl.full([BLOCK_H], -1.0e30, tl.float32)
     weight = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(Part_lse + s * stride_pls + tok * stride_plt + heads, mask=head_ok, other=float("-inf"))
-        part = tl.load(Part_out + s * stride_pos + tok * stride_pot + heads[:, None] * stride_poh + dims[None, :],
-                       mask=mask, other=0.0)
+    # Walk the splits by pointer increments: 64-bit, unlike split * stride in int32.
+    lse_ptr = Part_lse + tok * stride_plt + heads
+    part_ptr = Part_out + tok * stride_pot + heads[:, None] * stride_poh + dims[None, :]
+    for _ in range(num_splits):
+        lse = tl.load(lse_ptr, mask=head_ok, other=float("-inf"))
+        part = tl.load(part_ptr, mask=mask, other=0.0)
         m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
         beta = tl.exp2(lse - m_new)
         acc = acc * alpha[:, None] + part * beta[:, None]
         weight = weight * alpha + beta
         m = m_new
+        lse_ptr += stride_pls
+        part_ptr += stride_pos
     out = acc / tl.where(weight > 0, weight, 1.0)[:, None]
     tl.store(O + tok * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=mask)
@@ -199,6 +203,17 @@ def _num_splits(device: torch.device, programs: int, max_keys: int) -> int:
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(triton.cdiv(target, max(1, programs)), triton.cdiv(max_keys, _MIN_KEYS_PER_SPLIT),
                       _MAX_SPLITS))
+
+
+def _tile(interpreted: bool, dot_fp32: bool, block_d: int) -> tuple[int, int]:
+    """(query rows, keys) per tile. The interpreter pays per program and per loop step, so
+    it gets the biggest tiles; on GPU, float32 (IEEE) dots take about twice the shared
+    memory of 16-bit ones, and these sizes fit sm_80's 163 KiB (checked with triton.compile)."""
+    if interpreted:
+        return 128, 128
+    if dot_fp32:
+        return 32, (32 if block_d <= 128 else 16)
+    return 64, (64 if block_d <= 128 else 32)
 
 
 def _launch(q, k_new, v_new, o, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices, batch, *,
@@ -216,12 +231,10 @@ def _launch(q, k_new, v_new, o, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices
     interpreted = is_interpreted()
     group = batch.num_heads // batch.num_kv_heads
     block_g = triton.next_power_of_2(group)
-    block_d = triton.next_power_of_2(head_dim)
-    # The interpreter pays per program and per loop step, so it gets the biggest tiles.
-    if interpreted:
-        tokens_per_block, block_n = (max(1, 128 // block_g) if extend else 1), 128
-    else:
-        tokens_per_block, block_n = (max(1, 64 // block_g) if extend else 1), (64 if head_dim <= 128 else 32)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    dot_fp32 = interpreted or q.dtype == torch.float32
+    rows, block_n = _tile(interpreted, dot_fp32, block_d)
+    tokens_per_block = max(1, rows // block_g) if extend else 1
     block_m = max(16, block_g * tokens_per_block)
     tokens_per_block = block_m // block_g
     num_m_blocks = max(1, triton.cdiv(batch.max_q_len, tokens_per_block))
@@ -249,7 +262,7 @@ def _launch(q, k_new, v_new, o, k_pool, v_pool, qo_indptr, kv_indptr, kv_indices
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=k_pages.shape[1],
         BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         EXTEND=extend, CAUSAL=causal, USE_WINDOW=sliding_window >= 0, USE_CAP=logit_cap > 0,
-        SPLIT=splits > 1, DOT_FP32=interpreted or q.dtype == torch.float32,
+        SPLIT=splits > 1, DOT_FP32=dot_fp32,
     )
     if splits > 1:
         _merge_splits[(tokens,)](
