@@ -194,6 +194,18 @@ def test_cancel_stops_and_releases(local, remote, backend, remote_region):
         slow.write(peer, small, 0, desc, 0, MiB).wait()
 
 
+def test_unregister_refused_while_a_transfer_reads_the_region(backend, remote, remote_region):
+    with TransferEngine(backend, auth_token=TOKEN, rate_limit_bps=200e6) as engine:
+        region = engine.register(random_tensor(16 * MiB, 17))
+        _, desc = remote_region(16 * MiB)
+        t = engine.write(engine.connect(remote.address), region, 0, desc, 0, 16 * MiB)
+        with pytest.raises(TransferError, match="source of an active transfer"):
+            engine.unregister(region)
+        t.cancel()
+        engine.unregister(region)
+        assert engine.regions() == []
+
+
 def test_close_releases_threads_and_sockets(backend, remote, remote_region):
     def counts():
         fds = os.listdir("/proc/self/fd")
@@ -383,12 +395,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def python_handshake(address: str, token: bytes | None, kind: int = 1) -> socket.socket:
+def python_handshake(address: str, token: bytes | None, kind: int = 1, version: int = 1) -> socket.socket:
     """An independent client of the handshake, with Python's hmac: HMAC-SHA256(token,
     label + hello + challenge) each way."""
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=5)
-    hello = _HELLO.pack(HELLO_MAGIC, 1, kind, 0, 42, os.urandom(16), b"127.0.0.1:1".ljust(64, b"\0"))
+    hello = _HELLO.pack(HELLO_MAGIC, version, kind, 0, 42, os.urandom(16), b"127.0.0.1:1".ljust(64, b"\0"))
     sock.sendall(hello)
     challenge = _recv_exact(sock, _CHALLENGE.size)
     mac = b"\0" * 32 if token is None else hmac.new(token, b"pddcore client proof" + hello + challenge,
@@ -422,6 +434,8 @@ def test_python_client_speaks_the_wire_format(target):
     engine, region, buf = target
     with pytest.raises(PermissionError, match="authentication failed"):
         python_handshake(engine.address, b"not the token")
+    with pytest.raises(PermissionError, match="protocol version 2"):
+        python_handshake(engine.address, TOKEN, version=2)
     with python_handshake(engine.address, TOKEN) as sock:
         payload = os.urandom(100)
         sock.sendall(chunk_frame(7, region.id, 10, payload))

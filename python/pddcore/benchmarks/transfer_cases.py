@@ -31,13 +31,15 @@ STREAMS = (1, 4, 8)
 _PROBE = struct.Struct("<3sBd")  # b"lat", phase, send time
 
 
-def _write_info(path: str, text: str) -> None:
+def write_info(path: str, text: str) -> None:
+    """Publishes a receiver's address/descriptor to a sender in another process or namespace."""
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.rename(path + ".tmp", path)
 
 
-def _read_info(path: str, timeout: float = 60.0) -> str:
+def read_info(path: str, timeout: float = 60.0) -> str:
+    """Waits for :func:`write_info`'s file and returns its text."""
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline:
@@ -58,7 +60,7 @@ def engine_sink(listen: str, nbytes: int, info_path: str) -> list[tuple[int, flo
     probes = []
     with TransferEngine(listen=listen) as engine:
         region = engine.register(bytearray(nbytes))
-        _write_info(info_path, region.descriptor().hex())
+        write_info(info_path, region.descriptor().hex())
         while True:
             for _, message in engine.poll_messages(timeout=1.0):
                 now = time.monotonic()
@@ -75,7 +77,7 @@ def raw_sink(port_path: str, plan: list[tuple[int, int]]) -> None:
     listener = socket.socket()
     listener.bind(("0.0.0.0", 0))
     listener.listen(64)
-    _write_info(port_path, str(listener.getsockname()[1]))
+    write_info(port_path, str(listener.getsockname()[1]))
     buf = bytearray(max(n for _, n in plan))
     view = memoryview(buf)
     for streams, nbytes in plan:
@@ -161,8 +163,8 @@ def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 3, chunk_sizes=CHUNK_
         sink.start()
         raw.start()
         try:
-            desc = bytes.fromhex(_read_info(info))
-            port = int(_read_info(port_path))
+            desc = bytes.fromhex(read_info(info))
+            port = int(read_info(port_path))
             raw_view = memoryview(data.numpy())
             for chunk, streams in configs:
                 with TransferEngine(streams=streams, chunk_bytes=chunk) as engine:
@@ -203,7 +205,7 @@ def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, c
 
     from pddcore.transfer import TransferEngine
 
-    desc = bytes.fromhex(_read_info(info_path))
+    desc = bytes.fromhex(read_info(info_path))
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     pages = nbytes // piece_bytes
     order = list(range(pages))
