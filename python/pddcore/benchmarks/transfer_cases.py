@@ -4,7 +4,7 @@
   another process, as one write with the given ``chunk_bytes`` over ``streams``
   connections; the baseline is a plain-socket ``sendall`` / ``recv_into`` loop between two
   processes moving the same bytes over the same number of connections, in pieces of the
-  same size. Best of ``rounds`` for each; ratio = engine / raw.
+  same size. Engine and raw rounds alternate; best of ``rounds`` for each; ratio = engine / raw.
 - WAN (root): through :class:`~pddcore.testing.wan.WanLink` at a given rate and RTT, the
   engine writes ``nbytes`` as ``piece_bytes`` pieces scattered over the destination (KV
   pages: nothing coalesces); ratio = goodput / line rate. Then priority-lane one-way
@@ -144,7 +144,7 @@ class LoopbackResult:
         return {**asdict(self), "ratio": self.ratio}
 
 
-def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 3, chunk_sizes=CHUNK_BYTES,
+def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 4, chunk_sizes=CHUNK_BYTES,
                     streams_list=STREAMS) -> list[LoopbackResult]:
     """Every (chunk size, streams) point, engine and raw socket, in one run."""
     import torch
@@ -170,15 +170,17 @@ def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 3, chunk_sizes=CHUNK_
                 with TransferEngine(streams=streams, chunk_bytes=chunk) as engine:
                     src = engine.register(data)
                     peer = engine.connect(desc_address(desc))
-                    times = []
-                    for _ in range(rounds + 1):  # the first round also opens the streams
+                    engine_times, raw_times = [], []
+                    # Alternating rounds, so both sides see the same load on a shared machine;
+                    # the first round of each also opens the connections and is not counted.
+                    for _ in range(rounds + 1):
                         start = time.perf_counter()
                         engine.write(peer, src, 0, desc, 0, nbytes).wait()
-                        times.append(time.perf_counter() - start)
-                    engine_s = min(times[1:])
-                    if chunk == configs[-1][0] and streams == configs[-1][1]:
+                        engine_times.append(time.perf_counter() - start)
+                        raw_times.append(_raw_round(port, raw_view, streams, chunk))
+                    if (chunk, streams) == configs[-1]:
                         engine.send(peer, b"exit")
-                raw_s = min(_raw_round(port, raw_view, streams, chunk) for _ in range(rounds + 1))
+                engine_s, raw_s = min(engine_times[1:]), min(raw_times[1:])
                 results.append(LoopbackResult(chunk, streams, nbytes, nbytes / engine_s / 1e9, nbytes / raw_s / 1e9))
         finally:
             sink.join(30)
