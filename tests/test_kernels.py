@@ -11,11 +11,12 @@ interpreter costs milliseconds per program instance.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 
 import pddcore.kernels as K
@@ -126,16 +127,27 @@ def sdpa_oracle(q, k, v, first_q_pos, *, causal=True, sliding_window=-1, sm_scal
     return out.transpose(0, 1)
 
 
-def capped_oracle(q, k, v, first_q_pos, logit_cap, sm_scale):
-    """Causal attention with cap * tanh(s / cap) on the scores, with KV heads repeated explicitly."""
+def capped_oracle(q, k, v, first_q_pos, *, logit_cap, sm_scale=None, causal=True, sliding_window=-1):
+    """SDPA cannot cap logits: cap * tanh(s / cap) by hand, with KV heads repeated explicitly."""
     group = q.shape[1] // k.shape[1]
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * sm_scale
     scores = logit_cap * torch.tanh(scores / logit_cap)
     q_pos = first_q_pos + torch.arange(q.shape[0]).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(k.shape[0]) > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    k_pos = torch.arange(k.shape[0])
+    hidden = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
+    if causal:
+        hidden |= k_pos > q_pos
+    if sliding_window >= 0:
+        hidden |= q_pos - k_pos > sliding_window
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+
+
+def oracle(q, k, v, first_q_pos, **kw):
+    return capped_oracle(q, k, v, first_q_pos, **kw) if kw.get("logit_cap") else sdpa_oracle(
+        q, k, v, first_q_pos, **{n: x for n, x in kw.items() if n != "logit_cap"})
 
 
 def extend_oracle(case: ExtendCase, **kw) -> torch.Tensor:
@@ -148,10 +160,7 @@ def extend_oracle(case: ExtendCase, **kw) -> torch.Tensor:
         new = slice(qo[i], qo[i + 1])
         k = torch.cat([case.pool.rows(prefix, case.pool.k), case.k[new]])
         v = torch.cat([case.pool.rows(prefix, case.pool.v), case.v[new]])
-        if kw.get("logit_cap"):
-            out[new] = capped_oracle(case.q[new], k, v, len(prefix), kw["logit_cap"], kw["sm_scale"])
-        else:
-            out[new] = sdpa_oracle(case.q[new], k, v, len(prefix), **kw)
+        out[new] = oracle(case.q[new], k, v, len(prefix), **kw)
     return out
 
 
@@ -220,6 +229,24 @@ def test_extend_logit_cap(device):
     assert (got.double() - extend_oracle(case, sm_scale=1.0)).abs().max() > 1e-2
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_extend_random_shapes_and_options(device, data):
+    """Any consistent batch and option mix agrees with the oracle."""
+    num_req = data.draw(st.integers(1, 4), "requests")
+    prefix_lens = data.draw(st.lists(st.integers(0, 40), min_size=num_req, max_size=num_req), "prefix_lens")
+    extend_lens = data.draw(st.lists(st.integers(0, 12), min_size=num_req, max_size=num_req), "extend_lens")
+    hkv, group = data.draw(st.sampled_from([1, 2, 3])), data.draw(st.sampled_from([1, 2, 3, 4]))
+    dim = data.draw(st.sampled_from([8, 24, 64]), "dim")
+    page_size = data.draw(st.sampled_from([1, 3, 8]), "page_size")
+    kw = dict(causal=data.draw(st.booleans(), "causal"), sliding_window=data.draw(st.integers(-1, 20), "window"),
+              logit_cap=data.draw(st.sampled_from([0.0, 2.5]), "logit_cap"),
+              sm_scale=data.draw(st.sampled_from([None, 0.7]), "sm_scale"))
+    case = make_extend_case(prefix_lens, extend_lens, hkv * group, hkv, dim, torch.float32, page_size=page_size,
+                            seed=data.draw(st.integers(0, 2**16), "seed"))
+    assert_close(run_extend(case, device, **kw), extend_oracle(case, **kw), torch.float32)
+
+
 def make_decode_case(kv_lens, heads, hkv, dim, dtype, *, page_size=1, seed=0):
     """Reuse the extend case builder: each request's slots are its whole context."""
     case = make_extend_case(kv_lens, [1] * len(kv_lens), heads, hkv, dim, dtype, page_size=page_size, seed=seed)
@@ -232,10 +259,7 @@ def decode_oracle(q, pool, kv_indptr, kv_indices, **kw):
     for i in range(q.shape[0]):
         slots = kv_indices[kv[i]:kv[i + 1]]
         k, v = pool.rows(slots, pool.k), pool.rows(slots, pool.v)
-        if kw.get("logit_cap"):
-            out[i] = capped_oracle(q[i:i + 1], k, v, len(slots) - 1, kw["logit_cap"], kw["sm_scale"])[0]
-        else:
-            out[i] = sdpa_oracle(q[i:i + 1], k, v, len(slots) - 1, **kw)[0]
+        out[i] = oracle(q[i:i + 1], k, v, len(slots) - 1, **kw)[0]
     return out
 
 
