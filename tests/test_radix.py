@@ -154,7 +154,7 @@ class RadixMachine(RuleBasedStateMachine):
 
 
 TestRadixAgainstModel = RadixMachine.TestCase
-TestRadixAgainstModel.settings = settings(max_examples=120, stateful_step_count=30, deadline=None,
+TestRadixAgainstModel.settings = settings(max_examples=200, stateful_step_count=30, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -230,7 +230,7 @@ def test_capacity_is_enforced_without_side_effects():
     ([1, 2, 3, 4], [0, 1, 2], "fill 2 pages, but 3 page ids"),
     ([1, 2, 3, 4], [0, -1], "must be >= 0"),
     ([1, 2, 3, 4], [0, 0], "same page id twice"),
-    ([1, 2, 3, 4], [0, 1.5], "must be integers"),
+    ([1, 2, 3, 4], [0, 1.5], "must be 64-bit integers"),
     (None, [], "sequence of token ids"),
 ])
 def test_insert_rejects_bad_input(tokens, pages, message):

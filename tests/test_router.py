@@ -240,12 +240,14 @@ def test_stats_alternative_shapes():
     est = BandwidthEstimator.from_stats(
         {"peers": [{"peer_id": "a", "bytes": 10 * MiB, "busy_s": 1.0, "rtt_ms": 30},
                    {"address": "b", "throughput_bytes_per_s": 5e8, "srtt_s": 0.01},
+                   {"id": "d", "throughput_bps": 8e9, "rtt_s": 0.0},
                    {"peer": "c", "tx_bytes": 0, "active_s": 0.0}]},
         alpha=0.5)
     assert est.alpha == 0.5
     assert est.estimate("a").bytes_per_s == pytest.approx(10 * MiB) and est.estimate("a").rtt_s == pytest.approx(0.03)
     assert est.estimate("b").bytes_per_s == 5e8 and est.estimate("b").rtt_s == 0.01
     assert est.estimate("c").samples == 0
+    assert est.estimate("d").bytes_per_s == 1e9 and est.estimate("d").rtt_s == est.prior_rtt_s  # rtt 0: unmeasured
     assert est.update_from_stats({"bytes": 5}) == []  # no per-peer section: nothing to learn
 
 
@@ -284,3 +286,23 @@ def test_router_and_estimator_together():
                             expected_output_tokens=500))
     fast_link = ROUTER.route(req(md_cached_tokens=62000, expected_output_tokens=500))
     assert (slow.pipeline, fast_link.pipeline) == (Pipeline.P_RLD_MD, Pipeline.P_MD)
+
+
+def test_estimator_reads_a_real_transfer_engine():
+    """Two engines on loopback: the estimator learns the link from the sender's stats()."""
+    from pddcore import TransferEngine
+
+    nbytes = 32 * MiB
+    with TransferEngine() as md, TransferEngine() as p:
+        dst = md.register(torch.zeros(nbytes, dtype=torch.uint8))
+        src = p.register(torch.ones(nbytes, dtype=torch.uint8))
+        peer = p.connect(md.address)
+        p.write(peer, src, 0, dst.descriptor(), 0, nbytes).wait(timeout=60)
+        stats = p.stats()
+    est = BandwidthEstimator.from_stats(stats)
+    entry = stats["peers"][md.address]
+    link = est.estimate(md.address)
+    assert link.samples == 1
+    assert link.bytes_per_s == pytest.approx(entry["bytes_sent"] / entry["seconds_busy"])
+    assert entry["bytes_sent"] >= nbytes and link.bytes_per_s > est.floor_bytes_per_s
+

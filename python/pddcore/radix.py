@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import operator
+from array import array
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -51,7 +51,7 @@ class RadixNode:
     """One edge of the tree: ``key`` (a page-aligned run of token ids) and ``pages``
     (one id per page). Returned by :meth:`RadixCache.match_prefix` for ``lock``."""
 
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "id", "cache", "__weakref__")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "id", "cache")
 
     def __init__(self, key: tuple, pages: list[int], parent: "RadixNode | None", cache: "RadixCache", node_id: int):
         self.key = key
@@ -108,7 +108,7 @@ class RadixCache:
         self._clock = 0
         self._owned: set[int] = set()
         self._locked_pages = 0
-        self._leaves: set[RadixNode] = set()
+        self._evictable_leaves: set[RadixNode] = set()  # unlocked, childless, not a root
 
     # ---- accounting ----------------------------------------------------------------------------
     @property
@@ -171,9 +171,9 @@ class RadixCache:
         """
         key = self._key(tokens)
         try:
-            pages = [operator.index(p) for p in pages]
-        except TypeError:
-            raise ValueError(f"page ids must be integers, got {pages!r:.80}") from None
+            pages = array("q", pages).tolist()  # validates integer ids at C speed
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"page ids must be 64-bit integers: {e}") from None
         if len(pages) != len(key) // self.page_size:
             raise ValueError(f"{len(tokens)} tokens at page_size={self.page_size} fill {len(key) // self.page_size} "
                              f"pages, but {len(pages)} page ids were given")
@@ -186,8 +186,8 @@ class RadixCache:
         new_pages = pages[prefix_len // self.page_size:]
         if len(set(new_pages)) != len(new_pages):
             raise ValueError("the new pages of one insert contain the same page id twice")
-        already = [p for p in new_pages if p in self._owned]
-        if already:
+        if not self._owned.isdisjoint(new_pages):
+            already = [p for p in new_pages if p in self._owned]
             raise ValueError(f"pages {already[:8]} are cached already for other tokens")
         if len(new_pages) > self.free_pages:
             raise CacheFullError(f"insert needs {len(new_pages)} new pages but only {self.free_pages} of "
@@ -198,7 +198,8 @@ class RadixCache:
         if new_pages:
             node = self._add_child(node, key[prefix_len:], new_pages)
         self._touch(node)
-        duplicates = [mine for mine, theirs in zip(pages, cached) if mine != theirs]
+        mine = pages[: len(cached)]
+        duplicates = [] if mine == cached else [p for p, c in zip(mine, cached) if p != c]
         return InsertResult(prefix_len, duplicates)
 
     def lock(self, node: RadixNode) -> None:
@@ -209,7 +210,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._locked_pages += len(node.pages)
                 if not node.children:
-                    self._leaves.discard(node)
+                    self._evictable_leaves.discard(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -223,7 +224,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._locked_pages -= len(node.pages)
                 if not node.children:
-                    self._leaves.add(node)
+                    self._evictable_leaves.add(node)
             node = node.parent
 
     def evict(self, num_pages: int) -> list[int]:
@@ -234,7 +235,7 @@ class RadixCache:
         if type(num_pages) is not int:
             raise ValueError(f"num_pages must be an integer, got {num_pages!r}")
         freed: list[int] = []
-        heap = [(n.last_access, n.id, n) for n in self._leaves]
+        heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
         heapq.heapify(heap)
         while len(freed) < num_pages and heap:
             _, _, node = heapq.heappop(heap)
@@ -247,7 +248,7 @@ class RadixCache:
             parent = node.parent
             self._detach(node)
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                self._leaves.add(parent)
+                self._evictable_leaves.add(parent)
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self._owned.difference_update(freed)
         return freed
@@ -263,7 +264,7 @@ class RadixCache:
                 n.parent = None
         self._roots.clear()
         self._owned.clear()
-        self._leaves.clear()
+        self._evictable_leaves.clear()
         self._locked_pages = 0
         return pages
 
@@ -335,15 +336,15 @@ class RadixCache:
     def _add_child(self, node: RadixNode, key: tuple, pages: list[int]) -> RadixNode:
         child = RadixNode(key, pages, node, self, next(self._ids))
         node.children[key[: self.page_size]] = child
-        self._leaves.discard(node)
-        self._leaves.add(child)
+        self._evictable_leaves.discard(node)
+        self._evictable_leaves.add(child)
         self._owned.update(pages)
         return child
 
     def _detach(self, node: RadixNode) -> None:
         del node.parent.children[node.key[: self.page_size]]
         node.parent = None
-        self._leaves.discard(node)
+        self._evictable_leaves.discard(node)
 
     def _touch(self, node: RadixNode) -> None:
         self._clock += 1

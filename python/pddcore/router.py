@@ -250,7 +250,8 @@ class _PeerState:
 # Key names accepted in TransferEngine.stats() per-peer entries, first match wins.
 _STATS_BYTES = ("bytes_sent", "bytes", "tx_bytes", "bytes_acked", "bytes_written")
 _STATS_SECONDS = ("seconds_busy", "busy_s", "active_s", "busy_seconds", "elapsed_s", "seconds")
-_STATS_RATE = ("throughput_bytes_per_s", "bytes_per_s", "throughput_Bps", "throughput")
+_STATS_RATE = ("throughput_bytes_per_s", "bytes_per_s", "throughput_Bps")
+_STATS_RATE_BITS = ("throughput_bps",)
 _STATS_RTT_S = ("rtt_s", "srtt_s", "rtt")
 _STATS_PEER_ID = ("peer_id", "peer", "address", "id")
 
@@ -333,20 +334,21 @@ class BandwidthEstimator:
             self._add_rtt(state, rtt_s)
 
     def update_from_stats(self, stats: Mapping, now: float | None = None) -> list[Hashable]:
-        """Feeds the estimator from a ``TransferEngine.stats()`` snapshot; returns the
-        peers that got a throughput sample.
+        """Feeds the estimator from a :meth:`pddcore.TransferEngine.stats` snapshot;
+        returns the peers that got a throughput sample.
 
-        Expected shape (cumulative counters per peer; deltas between snapshots are the
-        samples, the first snapshot gives the average since start)::
+        Read from it (cumulative counters per peer; deltas between snapshots are the
+        samples, the first snapshot gives the average since the engine started)::
 
-            {"peers": {peer_id: {"bytes_sent": int, "seconds_busy": float, "rtt_s": float}}}
+            {"peers": {address: {"bytes_sent": float, "seconds_busy": float, "rtt_s": float, ...}}}
 
-        Also accepted: ``peers`` as a list of dicts carrying ``peer_id`` / ``peer`` /
-        ``address`` / ``id``; bytes under ``bytes`` / ``tx_bytes`` / ``bytes_acked`` /
-        ``bytes_written``; busy time under ``busy_s`` / ``active_s`` / ``busy_seconds`` /
-        ``elapsed_s`` / ``seconds``; RTT under ``srtt_s`` / ``rtt`` (seconds) or ``rtt_ms``;
-        and, when no counters are present, a current rate under
-        ``throughput_bytes_per_s`` / ``bytes_per_s`` / ``throughput_Bps`` / ``throughput``.
+        ``rtt_s == 0`` means "not measured yet" and is skipped. Also accepted, for other
+        engines: ``peers`` as a list of dicts carrying ``peer_id`` / ``peer`` / ``address`` /
+        ``id``; bytes under ``bytes`` / ``tx_bytes`` / ``bytes_acked`` / ``bytes_written``;
+        busy time under ``busy_s`` / ``active_s`` / ``busy_seconds`` / ``elapsed_s`` /
+        ``seconds``; RTT under ``srtt_s`` / ``rtt`` (seconds) or ``rtt_ms``; and, when no
+        counters are present, a current rate under ``throughput_bytes_per_s`` /
+        ``bytes_per_s`` / ``throughput_Bps`` (bytes/s) or ``throughput_bps`` (bits/s).
         A counter that went backwards (engine restarted) restarts the baseline.
         """
         if not isinstance(stats, Mapping):
@@ -359,7 +361,8 @@ class BandwidthEstimator:
                 rtt = entry["rtt_ms"] / 1e3
             if rtt is not None:
                 _check_nonneg(f"peer {peer!r} rtt", rtt)
-                self._add_rtt(state, float(rtt))
+                if rtt > 0:  # 0 until the engine's first ping came back
+                    self._add_rtt(state, float(rtt))
             nbytes, busy = _first(entry, _STATS_BYTES), _first(entry, _STATS_SECONDS)
             if nbytes is not None and busy is not None:
                 _check_nonneg(f"peer {peer!r} bytes", nbytes)
@@ -368,6 +371,10 @@ class BandwidthEstimator:
                     sampled.append(peer)
                 continue
             rate = _first(entry, _STATS_RATE)
+            if rate is None and _first(entry, _STATS_RATE_BITS) is not None:
+                rate = _first(entry, _STATS_RATE_BITS)
+                _check_nonneg(f"peer {peer!r} throughput", rate)
+                rate = rate / 8
             if rate is not None:
                 _check_nonneg(f"peer {peer!r} throughput", rate)
                 if rate > 0:
