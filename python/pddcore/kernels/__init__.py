@@ -26,9 +26,11 @@ Shapes (T new tokens in total, B requests, H query heads, Hkv KV heads, D head d
 
 Dispatch: CUDA tensors run the Triton kernels (``pddcore.triton_kernels``), CPU tensors the
 torch reference (`pddcore.kernels.reference`). ``PDDCORE_FORCE_TRITON=1`` runs the Triton
-kernels for CPU tensors too, in Triton's interpreter (this is how CI tests them). float64
-always takes the torch path (forcing Triton with float64 is an error). Inconsistent
-arguments raise ``ValueError`` before anything is launched or written.
+kernels for CPU tensors too, in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
+set before triton is imported (this is how CI tests them). float64 always takes the torch
+path (forcing Triton with float64 is an error). Inconsistent arguments raise
+``ValueError`` before anything is launched or written; checking reads the indptrs (and
+the range of the used kv_indices) back to the host, one small sync per call on CUDA.
 
 Example::
 
@@ -67,8 +69,12 @@ def uses_triton(t: torch.Tensor) -> bool:
 
 
 def _triton():
-    from .. import triton_kernels  # imported lazily: triton is optional and slow to import
-
+    try:
+        from .. import triton_kernels  # imported lazily: triton is optional and slow to import
+    except ModuleNotFoundError as exc:
+        if exc.name != "triton":
+            raise
+        raise RuntimeError("CUDA tensors (or PDDCORE_FORCE_TRITON=1) need the triton package: pip install triton") from exc
     return triton_kernels
 
 
