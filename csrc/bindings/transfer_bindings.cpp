@@ -42,7 +42,7 @@ void bind_transfer(nb::module_& m) {
           "__init__",
           [](Engine* self, const std::string& backend, const std::string& host, uint16_t port, uint32_t streams,
              uint32_t chunk_bytes, std::optional<nb::bytes> auth_token, double timeout_s, double rate_limit_bps,
-             uint32_t max_retries) {
+             uint32_t max_retries, const std::string& rdma_device, uint8_t ib_port, int gid_index) {
             EngineOptions o;
             o.backend = backend;
             o.listen_host = host;
@@ -54,11 +54,15 @@ void bind_transfer(nb::module_& m) {
             o.timeout_s = timeout_s;
             o.rate_limit_bps = rate_limit_bps;
             o.max_retries = max_retries;
+            o.rdma_device = rdma_device;
+            o.ib_port = ib_port;
+            o.gid_index = gid_index;
             nb::gil_scoped_release release;
             new (self) Engine(std::move(o));
           },
           nb::arg("backend"), nb::arg("host"), nb::arg("port"), nb::arg("streams"), nb::arg("chunk_bytes"),
-          nb::arg("auth_token").none(), nb::arg("timeout_s"), nb::arg("rate_limit_bps"), nb::arg("max_retries"))
+          nb::arg("auth_token").none(), nb::arg("timeout_s"), nb::arg("rate_limit_bps"), nb::arg("max_retries"),
+          nb::arg("rdma_device") = "", nb::arg("ib_port") = 1, nb::arg("gid_index") = -1)
       .def_prop_ro("address", &Engine::address)
       .def_prop_ro("engine_id", &Engine::engine_id)
       .def_prop_ro("backend", &Engine::backend_name)
@@ -66,7 +70,8 @@ void bind_transfer(nb::module_& m) {
       .def("register_memory", &Engine::register_memory, nb::arg("base"), nb::arg("size"))
       .def("unregister_memory", &Engine::unregister_memory, nb::arg("region_id"),
            nb::call_guard<nb::gil_scoped_release>())
-      .def("connect", &Engine::connect, nb::arg("address"), nb::call_guard<nb::gil_scoped_release>())
+      .def("connect", &Engine::connect, nb::arg("address"), nb::arg("backend") = "",
+           nb::call_guard<nb::gil_scoped_release>())
       .def("disconnect", &Engine::disconnect, nb::arg("peer"), nb::call_guard<nb::gil_scoped_release>())
       .def(
           "write_batch",

@@ -32,7 +32,8 @@ Engine::Engine(EngineOptions options) : options_(std::move(options)) {
   handshake_.has_token = options_.has_token;
   handshake_.token = options_.auth_token;
   handshake_.timeout_s = options_.timeout_s;
-  backend_ = make_backend(*this);
+  backends_ = make_backends(*this);
+  backend_ = backends_.front().get();
   accept_thread_ = std::thread([this] { accept_loop(); });
   watchdog_thread_ = std::thread([this] { watchdog_loop(); });
 }
@@ -57,7 +58,7 @@ void Engine::close() {
   watchdog_thread_.join();
   listener_.shutdown();
   accept_thread_.join();
-  backend_->close();
+  for (auto& backend : backends_) backend->close();
   {
     std::lock_guard<std::mutex> lock(connections_mutex_);
     for (auto& conn : connections_) conn->socket.shutdown();
@@ -89,7 +90,7 @@ uint64_t Engine::register_memory(uintptr_t base, uint64_t size) {
   if (base == 0 || size == 0) throw std::invalid_argument("cannot register an empty or null memory range");
   std::lock_guard<std::mutex> lock(regions_mutex_);
   auto region = std::make_shared<const Region>(Region{next_region_id_++, reinterpret_cast<uint8_t*>(base), size});
-  backend_->register_memory(region);
+  for (auto& backend : backends_) backend->register_memory(region);
   regions_.emplace(region->id, region);
   return region->id;
 }
@@ -109,7 +110,7 @@ void Engine::unregister_memory(uint64_t region_id) {
     if (it == regions_.end()) throw std::invalid_argument("region " + std::to_string(region_id) + " is not registered");
     region = std::move(it->second);
     regions_.erase(it);
-    backend_->deregister_memory(region_id);
+    for (auto& backend : backends_) backend->deregister_memory(region_id);
   }
   // Chunks being sent from or received into the region hold a reference; they finish
   // within a socket deadline.
@@ -137,9 +138,16 @@ Socket Engine::dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) {
   return s;
 }
 
-PeerPtr Engine::connect(const std::string& address) {
+PeerPtr Engine::connect(const std::string& address, const std::string& backend) {
   if (closing_) throw TransferError("engine is closed");
   auto peer = std::make_shared<Peer>();
+  for (auto& b : backends_)
+    if (backend.empty() ? b.get() == backend_ : backend == b->name()) peer->backend = b.get();
+  if (peer->backend == nullptr) {
+    std::string names;
+    for (auto& b : backends_) names += std::string(names.empty() ? "" : ", ") + b->name();
+    throw std::invalid_argument("backend '" + backend + "' is not available on this engine (it has: " + names + ")");
+  }
   peer->info.address = address;
   peer->control = dial_tcp(parse_address(address), options_.timeout_s);
   peer->info.engine_id = dial_handshake(peer->control, handshake_, wire::ConnKind::kControl, 0);
@@ -152,7 +160,12 @@ PeerPtr Engine::connect(const std::string& address) {
     peers_.emplace(peer->info.key, peer);
   }
   peer->reader = std::thread([this, peer] { read_control_replies(peer); });
-  backend_->connect(peer->info);
+  try {
+    peer->backend->connect(peer->info);
+  } catch (...) {
+    disconnect(peer);
+    throw;
+  }
   send_control(*peer, wire::ControlType::kPing, encode_i64(now_ns()));
   return peer;
 }
@@ -162,7 +175,7 @@ void Engine::disconnect(const PeerPtr& peer) {
     std::lock_guard<std::mutex> lock(peers_mutex_);
     if (peers_.erase(peer->info.key) == 0) return;
   }
-  backend_->disconnect(peer->info.key);
+  peer->backend->disconnect(peer->info.key);
   {
     std::lock_guard<std::mutex> lock(peer->send_mutex);
     peer->alive = false;
@@ -210,10 +223,9 @@ void Engine::serve_connection(Connection* conn) {
     if (from.host == "0.0.0.0") from.host = peer_ip(conn->socket);
     const std::string from_address = format_address(from);
     conn->socket.set_nodelay();
-    if (hello.kind == wire::ConnKind::kControl)
-      serve_control(conn->socket, from_address);
-    else
-      backend_->serve(conn->socket, PeerInfo{0, from_address, hello.engine_id});
+    if (hello.kind == wire::ConnKind::kControl) serve_control(conn->socket, from_address);
+    for (auto& backend : backends_)  // a kind no backend serves (e.g. RDMA to a tcp-only engine) is closed
+      if (hello.kind == backend->conn_kind()) backend->serve(conn->socket, PeerInfo{0, from_address, hello.engine_id});
   } catch (const std::exception&) {
     // A refused, broken or malformed connection affects only itself.
   }
@@ -416,7 +428,7 @@ TransferPtr Engine::write_batch(const PeerPtr& peer, const std::vector<WriteOp>&
     if (peer->active_transfers++ == 0) peer->busy_since_ns = now_ns();
   }
   for (auto& c : chunks) c.transfer = transfer;
-  backend_->post(peer->info.key, std::move(chunks));
+  peer->backend->post(peer->info.key, std::move(chunks));
   return transfer;
 }
 
@@ -487,7 +499,8 @@ void Engine::finish_transfer(const TransferPtr& transfer, TransferStatus status,
     if (it != peers_.end()) peer = it->second;
   }
   if (!transfer->finish(status, error)) return;
-  if (status != TransferStatus::kDone) backend_->purge(*transfer);
+  if (status != TransferStatus::kDone)
+    for (auto& backend : backends_) backend->purge(*transfer);
   (status == TransferStatus::kDone ? transfers_done_
    : status == TransferStatus::kFailed ? transfers_failed_
                                         : transfers_cancelled_)++;
@@ -606,8 +619,12 @@ std::map<std::string, StatsMap> Engine::peer_stats() const {
   return out;
 }
 
-void Engine::debug_kill_stream(const PeerPtr& peer, uint32_t stream) { backend_->debug_kill_stream(peer->info.key, stream); }
+void Engine::debug_kill_stream(const PeerPtr& peer, uint32_t stream) {
+  peer->backend->debug_kill_stream(peer->info.key, stream);
+}
 
-void Engine::debug_corrupt_chunks(uint32_t n) { backend_->debug_corrupt_chunks(n); }
+void Engine::debug_corrupt_chunks(uint32_t n) {
+  for (auto& backend : backends_) backend->debug_corrupt_chunks(n);
+}
 
 }  // namespace pddcore::transfer

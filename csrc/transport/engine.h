@@ -37,6 +37,7 @@ struct WriteOp {
 // A connected peer engine: its control connection and what we sent it.
 struct Peer {
   PeerInfo info;
+  TransferBackend* backend = nullptr;  // this peer's data path
   Socket control;
   std::mutex send_mutex;
   std::thread reader;
@@ -79,7 +80,8 @@ class Engine final : public BackendHost {
   // timeout_s) until no chunk reads or writes it any more.
   void unregister_memory(uint64_t region_id);
 
-  PeerPtr connect(const std::string& address);
+  // backend: the data path to this peer ("": the engine's default backend).
+  PeerPtr connect(const std::string& address, const std::string& backend = "");
   // Closes the peer's connections and fails its transfers in flight.
   void disconnect(const PeerPtr& peer);
   TransferPtr write_batch(const PeerPtr& peer, const std::vector<WriteOp>& ops, std::optional<std::string> notify);
@@ -137,7 +139,8 @@ class Engine final : public BackendHost {
   EngineOptions options_;
   HandshakeConfig handshake_;
   std::string address_;
-  std::unique_ptr<TransferBackend> backend_;
+  std::vector<std::unique_ptr<TransferBackend>> backends_;  // every data path this engine serves
+  TransferBackend* backend_ = nullptr;                     // the default one (backends_.front())
 
   std::atomic<bool> closing_{false};
   std::mutex close_mutex_;
@@ -178,5 +181,8 @@ class Engine final : public BackendHost {
 // Creates the backend named in options.backend; throws std::invalid_argument listing
 // the backends available in this build for an unknown name.
 std::unique_ptr<TransferBackend> make_backend(BackendHost& host);
+// The default backend first, then tcp when the default is another: an engine always
+// speaks tcp too, so it can reach (and serve) peers without the default's hardware.
+std::vector<std::unique_ptr<TransferBackend>> make_backends(BackendHost& host);
 
 }  // namespace pddcore::transfer

@@ -34,6 +34,7 @@ def collect() -> dict:
         "ibverbs_loaded": verbs_loaded,
         "rdma_devices": verbs_devices,
         "rdma_detail": verbs_detail,
+        "rdma_backend_compiled": _C.rdma_compiled(),
         "torch": torch.__version__,
         "torch_cuda": torch.cuda.is_available(),
         "triton": triton_version,
@@ -59,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  CUDA usable       : {yes(facts['cuda_usable'])} ({facts['cuda_detail']})")
     print(f"  ibverbs           : {'loaded' if facts['ibverbs_loaded'] else 'absent'}, "
           f"{facts['rdma_devices']} RDMA device(s)" + (f" ({facts['rdma_detail']})" if facts["rdma_detail"] else ""))
+    print("  RDMA backend      : " + ("compiled (libibverbs opened at run time; device='emulator' for the verbs "
+                                   "emulator)" if facts["rdma_backend_compiled"]
+                                   else "compiled out (no ibverbs headers at build time)"))
     print(f"  torch             : {facts['torch']} (CUDA available: {yes(facts['torch_cuda'])})")
     print(f"  triton            : {facts['triton'] or 'not installed'}")
     return 0

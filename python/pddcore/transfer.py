@@ -27,6 +27,23 @@ Example::
         t = p.write(peer, src, 0, dst.descriptor(), 0, 1 << 20, notify=b"req-42")
         t.wait()                       # raises TransferError on failure
         md.poll_messages()             # [(p.address, b"req-42")]
+
+RDMA: ``TransferEngine(backend="rdma", device=None, ib_port=1, gid_index=None)`` moves the
+same writes over reliable-connected ibverbs QPs (libibverbs is opened at run time; no
+RDMA device -> TransferError listing the usable backends). Per peer, QP attributes (LID/GID,
+QPN, PSN, MTU) and destination rkeys are exchanged on a connection behind the same
+handshake; a write becomes a chain of RDMA WRITEs, selectively signaled, the last one
+RDMA_WRITE_WITH_IMM; done means the responder acknowledged (RC) every WR. An rdma engine
+also speaks tcp: ``connect(address, backend="tcp")`` picks the data path per peer. On
+machines without a NIC, ``device="emulator"`` (or ``PDDCORE_VERBS=emulator``) selects the
+in-process verbs emulator, a test device with real verbs semantics over loopback sockets.
+
+GPU memory over RDMA: with the peer-memory module loaded (``nvidia-peermem``, or the
+kernel's dma-buf path on newer drivers) ``ibv_reg_mr`` accepts a CUDA device pointer and
+the NIC reads and writes GPU memory directly (GPUDirect RDMA). Register it by address,
+``engine.register_pointer(t.data_ptr(), t.numel() * t.element_size())``, keeping ``t``
+alive until unregister; without the module the registration fails with ``Bad address``.
+The verbs emulator touches memory with the CPU, so it only takes host memory.
 """
 
 from __future__ import annotations
@@ -215,13 +232,20 @@ class TransferEngine:
             nothing before its transfers fail.
         rate_limit_bps: pace all outgoing data below this many bits per second (None: no limit).
         max_retries: resends of one chunk, and reconnects of one stream, before failing.
+        device: rdma only: device name (e.g. ``"mlx5_0"``; None: the first one, or the verbs
+            emulator when ``PDDCORE_VERBS=emulator``; ``"emulator"``: the verbs emulator).
+            ``streams`` is the number of RC QPs per peer.
+        ib_port: rdma only: the device port.
+        gid_index: rdma only: GID table index for routed (GRH) addressing; None: none on
+            InfiniBand, GID 0 on RoCE.
 
     Thread-safe: any number of Python threads may call it at once.
     """
 
     def __init__(self, backend: str = "tcp", listen: str = "127.0.0.1:0", *, streams: int = 4,
                  chunk_bytes: int = 1 << 20, auth_token: bytes | str | None = None, timeout_s: float = 30.0,
-                 rate_limit_bps: float | None = None, max_retries: int = 5):
+                 rate_limit_bps: float | None = None, max_retries: int = 5, device: str | None = None,
+                 ib_port: int = 1, gid_index: int | None = None):
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen must be 'host:port', got {listen!r}")
@@ -231,8 +255,13 @@ class TransferEngine:
             raise ValueError(f"rate_limit_bps must be positive, got {rate_limit_bps}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if backend != "rdma" and (device is not None or gid_index is not None or ib_port != 1):
+            raise ValueError(f"device, ib_port and gid_index apply to the rdma backend, not {backend!r}")
+        if not 1 <= ib_port <= 255 or (gid_index is not None and gid_index < 0):
+            raise ValueError(f"bad RDMA port {ib_port} or GID index {gid_index}")
         self._core = _C.TransferEngineCore(backend, host, int(port), streams, chunk_bytes, auth_token,
-                                           float(timeout_s), float(rate_limit_bps or 0.0), max_retries)
+                                           float(timeout_s), float(rate_limit_bps or 0.0), max_retries,
+                                           device or "", ib_port, -1 if gid_index is None else gid_index)
         self._lock = threading.Lock()
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)
@@ -305,9 +334,10 @@ class TransferEngine:
 
     # -- peers and writes ---------------------------------------------------------------
 
-    def connect(self, address: str) -> Peer:
-        """Connects (and authenticates) to the engine listening at ``address``."""
-        return Peer(self, self._core.connect(address))
+    def connect(self, address: str, backend: str | None = None) -> Peer:
+        """Connects (and authenticates) to the engine listening at ``address``; ``backend``
+        picks this peer's data path (None: the engine's own; an rdma engine also has "tcp")."""
+        return Peer(self, self._core.connect(address, backend or ""))
 
     def write(self, peer: Peer, src_region: Region, src_offset: int, dst_descriptor: bytes | RegionDescriptor,
               dst_offset: int, nbytes: int, *, notify: bytes | None = None) -> Transfer:

@@ -121,6 +121,10 @@ struct EngineOptions {
   double timeout_s = 30.0;
   double rate_limit_bps = 0.0;  // bits per second; 0: unlimited
   uint32_t max_retries = 5;     // resends of one chunk, and reconnects of one stream, before giving up
+  // RDMA backend: device name ("": first device; "emulator": the verbs emulator), port, GID index (-1: auto).
+  std::string rdma_device;
+  uint8_t ib_port = 1;
+  int gid_index = -1;
 };
 
 class Socket;
@@ -151,6 +155,8 @@ class TransferBackend {
  public:
   virtual ~TransferBackend() = default;
   virtual const char* name() const = 0;
+  // The kind of incoming connection the engine hands to serve().
+  virtual wire::ConnKind conn_kind() const { return wire::ConnKind::kData; }
 
   // Memory registration hooks (RDMA pins and registers an MR; TCP needs nothing).
   virtual void register_memory(const RegionPtr& region) = 0;

@@ -31,7 +31,8 @@ constexpr size_t kReasonBytes = 96;   // why a handshake was refused, NUL padded
 constexpr uint32_t kMaxChunkBytes = 64u << 20;
 constexpr uint32_t kMaxControlBytes = 16u << 20;
 
-enum class ConnKind : uint8_t { kControl = 0, kData = 1 };
+// kRdmaSetup: the RDMA backend's QP and region-key exchange (csrc/transport/rdma/rdma_wire.h).
+enum class ConnKind : uint8_t { kControl = 0, kData = 1, kRdmaSetup = 2 };
 
 enum class HandshakeStatus : uint8_t {
   kOk = 0,
@@ -145,7 +146,7 @@ struct Hello {
     if (r.get<uint32_t>() != kHelloMagic) return false;
     version = r.get<uint16_t>();
     const uint8_t k = r.get<uint8_t>();
-    if (k > static_cast<uint8_t>(ConnKind::kData)) return false;
+    if (k > static_cast<uint8_t>(ConnKind::kRdmaSetup)) return false;
     kind = static_cast<ConnKind>(k);
     stream = r.get<uint8_t>();
     engine_id = r.get<uint64_t>();
