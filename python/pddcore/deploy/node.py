@@ -1,0 +1,106 @@
+"""What every role process shares: the connection to the front (a Unix socket, which
+works across network namespaces), the model, and the TransferEngine with its staging
+region."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from multiprocessing.connection import Client, Connection
+from typing import Any, Iterator
+
+import torch
+
+from .. import set_num_threads
+from ..model import Model
+from ..transfer import TransferEngine
+
+__all__ = ["Node", "load_model"]
+
+
+def load_model(spec: dict) -> Model:
+    """The embedded seeded model, or a Hugging Face folder (``spec["path"]``), in float64 on CPU
+    unless ``spec["dtype"]`` says otherwise."""
+    dtype = getattr(torch, spec.get("dtype", "float64"))
+    if spec.get("path"):
+        return Model.from_pretrained(spec["path"], dtype=dtype)
+    return Model.default(seed=spec.get("seed", 0), dtype=dtype)
+
+
+class Node:
+    """A role's plumbing. ``config`` keys: ``hub`` (socket path), ``authkey`` (hex),
+    ``listen`` (engine address), ``model``, ``pool_pages``, ``page_size``,
+    ``staging_bytes`` (0: none), ``auth_token``."""
+
+    def __init__(self, role: str, config: dict):
+        torch.set_num_threads(1)  # tiny ops on a small shared CPU: extra threads only contend
+        set_num_threads(1)
+        self.role = role
+        self.config = config
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                            format=f"%(asctime)s {role}[{os.getpid()}] %(levelname)s %(message)s")
+        self.log = logging.getLogger(f"pddcore.deploy.{role}")
+        self.model = load_model(config["model"])
+        self.pool = self.model.new_pool(config["pool_pages"], config["page_size"])
+        self.layout = self.pool.layout()
+        self.engine = TransferEngine(listen=config["listen"], auth_token=config["auth_token"],
+                                     timeout_s=config.get("engine_timeout_s", 30.0))
+        self.staging = None
+        self.staging_region = None
+        if config.get("staging_bytes"):
+            self.staging = torch.empty(config["staging_bytes"], dtype=torch.uint8)
+            self.staging_region = self.engine.register(self.staging)
+        self.hub: Connection = Client(config["hub"], family="AF_UNIX", authkey=bytes.fromhex(config["authkey"]))
+        hello: dict[str, Any] = {"engine": self.engine.address}
+        if self.staging_region is not None:
+            hello["staging"] = self.staging_region.descriptor().hex()
+        self.hub.send(("hello", role, hello))
+
+    def to_hub(self, *message: Any) -> None:
+        self.hub.send(message)
+
+    def hub_messages(self) -> Iterator[tuple]:
+        """Messages from the front that are waiting now. The front closing ends the process."""
+        try:
+            while self.hub.poll(0):
+                yield self.hub.recv()
+        except (EOFError, OSError):
+            self.log.info("front closed the connection; exiting")
+            self.close()
+            raise SystemExit(0)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def with_room(pool, cache, fn):
+    """Runs ``fn``; while the KV pool is full, evicts least-recently-used pages of the
+    prefix ``cache`` (dropping the cache's page references) and tries again."""
+    from ..model import PoolExhaustedError
+
+    while True:
+        try:
+            return fn()
+        except PoolExhaustedError:
+            freed = cache.evict(max(64, pool.num_pages // 8))
+            if not freed:
+                raise
+            pool.allocator.free(freed)
+
+
+def cache_sequence(pool, cache, tokens, seq) -> None:
+    """Records the whole pages of ``seq`` (holding ``tokens``) in the prefix ``cache``; the
+    cache takes its own reference on the pages it did not hold yet."""
+    full = min(len(tokens), seq.num_tokens) // pool.page_size
+    result = cache.insert(list(tokens[:full * pool.page_size]), seq.pages[:full])
+    pool.allocator.retain(seq.pages[result.prefix_len // pool.page_size:full])
+
+
+def cached_prefix(pool, cache, tokens):
+    """A new sequence on the longest cached whole-page prefix of ``tokens``, and its length."""
+    from ..model import SequenceKV
+
+    hit = cache.match_prefix(list(tokens))
+    pool.allocator.retain(hit.pages)
+    return SequenceKV(pool, list(hit.pages), hit.matched_len), hit.matched_len

@@ -1,0 +1,130 @@
+"""The reference PDD deployment, end to end, in small: real processes, real sockets, the
+kernel WAN emulator where root (CI) or the userspace relay elsewhere."""
+
+import os
+import subprocess
+
+import pytest
+
+from pddcore.deploy import Network, agentic_trace, run_demo
+from pddcore.deploy.staging import RangeAllocator
+from pddcore.testing.relay import WanRelay
+
+# Two sessions: each opens with a fresh document (low hit at P and MD) and goes on with a
+# short high-hit turn. The link is slow enough that shipping a document's KV (~2.5 MB)
+# costs about a second, far more than RLD's eager start.
+SCENARIO = dict(turns=2, system_tokens=64, document_tokens=256, user_tokens=16, first_output_tokens=128,
+                output_tokens=12, stagger_s=0.5, think_s=0.1)
+LINK = dict(bandwidth_bps=20e6, delay_ms=20)
+
+
+def _namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.startswith("pddwan-")}
+
+
+def _assert_complete_and_exact(result, mode):
+    correctness = result["correctness"][mode]
+    assert correctness["pass"], correctness
+    run = result["runs"][mode]
+    for r in run["requests"]:
+        assert r["done"] and len(r["tokens"]) == r["max_new_tokens"], r["rid"]
+    assert result["metrics"][mode]["ownership_violations"] == []
+
+
+@pytest.fixture(scope="module")
+def demo():
+    before = _namespaces() if os.geteuid() == 0 else set()
+    with Network(**LINK) as net:
+        result = run_demo(agentic_trace(4, **SCENARIO), net, modes=("pd", "pdd"))
+    yield result
+    if os.geteuid() == 0:
+        assert _namespaces() == before, "the demo left network namespaces behind"
+
+
+def test_outputs_identical_to_reference(demo):
+    for mode in ("pd", "pdd"):
+        _assert_complete_and_exact(demo, mode)
+
+
+def test_pdd_routes_and_hands_off(demo):
+    pdd, pd = demo["metrics"]["pdd"], demo["metrics"]["pd"]
+    assert pd["routes"]["P_MD"] == 4 and pd["tokens"]["RLD"] == 0
+    assert pdd["routes"]["P_RLD_MD"] >= 1, pdd["routes"]      # the fresh documents
+    assert pdd["handoffs"]["one_shot"] + pdd["handoffs"]["catch_up"] >= 1
+    assert pdd["tokens"]["RLD"] > 0 and pdd["tokens"]["MD"] > 0
+    # every handed-off request switched owner once: RLD tokens, then MD tokens, nothing else
+    for r in demo["runs"]["pdd"]["requests"]:
+        roles = "".join(x[0] for x in r["roles"])
+        assert roles == "R" * roles.count("R") + "M" * roles.count("M"), (r["rid"], roles)
+
+
+def test_pdd_ttft_p90_beats_cross_dc_pd(demo):
+    pd, pdd = demo["metrics"]["pd"]["ttft_s"], demo["metrics"]["pdd"]["ttft_s"]
+    assert pdd["p90"] < pd["p90"], (pdd, pd)
+
+
+def test_md_killed_and_malformed_handoff():
+    """MD dies mid-run: requests it owned are resumed on RLD, the others stay there, and
+    every output is still exact. The first handoff arrives malformed: MD rejects it, RLD
+    re-sends, and that request completes too."""
+    scenario = agentic_trace(4, **{**SCENARIO, "output_tokens": 48})
+    with Network(**LINK) as net:
+        result = run_demo(scenario, net, modes=("pdd",),
+                          overrides={"pdd": {"kill_md_after_s": 3.0, "corrupt_handoffs": 1}})
+    metrics = result["metrics"]["pdd"]
+    assert metrics["md_killed"]
+    assert metrics["handoffs"]["rejected"] >= 1
+    _assert_complete_and_exact(result, "pdd")
+    finished = result["runs"]["pdd"]["summary"]["counts"]
+    assert finished.get("finished_RLD", 0) >= 1 and finished.get("md_lost", 0) == 1
+
+
+def test_range_allocator_reuses_and_merges():
+    ranges = RangeAllocator(1024, align=64)
+    a, b, c = ranges.alloc(100), ranges.alloc(64), ranges.alloc(256)
+    assert (a, b, c) == (0, 128, 192)
+    assert ranges.alloc(1024) is None
+    ranges.free(b)
+    ranges.free(a)
+    assert ranges.alloc(192) == 0          # the two freed neighbours merged
+    with pytest.raises(ValueError, match="not an allocated range"):
+        ranges.free(5)
+
+
+def test_userspace_relay_caps_rate_and_delays():
+    import socket
+    import threading
+    import time
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    got = []
+
+    def sink():
+        conn, _ = server.accept()
+        n = 0
+        while chunk := conn.recv(1 << 16):
+            n += len(chunk)
+        got.append((n, time.monotonic()))
+        conn.close()
+
+    threading.Thread(target=sink, daemon=True).start()
+    with WanRelay(rate_bps=8e6, delay_ms=50) as relay:
+        pass
+    relay = WanRelay(rate_bps=8e6, delay_ms=50)
+    port = relay.forward(server.getsockname(), side="a")
+    relay.start()
+    try:
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(b"x" * 500_000)       # 4 Mbit at 8 Mbit/s: ~0.5 s, plus 50 ms
+        while not got:
+            time.sleep(0.01)
+    finally:
+        relay.close()
+        server.close()
+    n, end = got[0]
+    assert n == 500_000
+    assert end - start >= 0.5 and relay.bytes_sent("a") == 500_000
