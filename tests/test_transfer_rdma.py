@@ -100,13 +100,16 @@ def test_environment_selects_the_emulator(monkeypatch):
         assert _C.rdma_emulator_counters()["contexts"] == before + 1
 
 
-def test_rdma_options_are_checked():
+def test_rdma_options_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="apply to the rdma backend"):
         TransferEngine("tcp", device="emulator")
     with pytest.raises(ValueError, match="GID index"):
         TransferEngine("rdma", device="emulator", gid_index=-2)
     with pytest.raises(TransferError, match="port 2"):
         TransferEngine("rdma", device="emulator", ib_port=2)  # the emulated HCA has one port
+    monkeypatch.setenv("PDDCORE_VERBS", "hardware-please")
+    with pytest.raises(ValueError, match="PDDCORE_VERBS"):
+        TransferEngine("rdma")
 
 
 def test_info_reports_the_backend():

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 
 #include "emulator/verbs_emulator.h"
 #include "pddcore/transfer_backend.h"
@@ -24,6 +25,8 @@ std::string errno_text(const char* call, int err) { return std::string(call) + "
 
 const VerbsTable& choose_verbs(const std::string& device) {
   const char* env = std::getenv("PDDCORE_VERBS");
+  if (env != nullptr && *env != '\0' && std::strcmp(env, "emulator") != 0)
+    throw std::invalid_argument(std::string("PDDCORE_VERBS must be 'emulator' or unset, not '") + env + "'");
   if (device == "emulator" || (device.empty() && env != nullptr && std::strcmp(env, "emulator") == 0))
     return emulator::verbs();
   std::string why;

@@ -52,13 +52,13 @@ def read_info(path: str, timeout: float = 60.0) -> str:
 # ---- receivers (run in another process or namespace) -------------------------------------
 
 
-def engine_sink(listen: str, nbytes: int, info_path: str) -> list[tuple[int, float, float]]:
+def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp") -> list[tuple[int, float, float]]:
     """Registers ``nbytes``, publishes address and descriptor, records latency probes
     (phase, sent, arrived) until an ``exit`` message."""
     from pddcore.transfer import TransferEngine
 
     probes = []
-    with TransferEngine(listen=listen) as engine:
+    with TransferEngine(backend, listen=listen) as engine:
         region = engine.register(bytearray(nbytes))
         write_info(info_path, region.descriptor().hex())
         while True:
@@ -135,6 +135,7 @@ class LoopbackResult:
     nbytes: int
     engine_gbps: float
     raw_gbps: float
+    backend: str = "tcp"
 
     @property
     def ratio(self) -> float:
@@ -145,8 +146,10 @@ class LoopbackResult:
 
 
 def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 4, chunk_sizes=CHUNK_BYTES,
-                    streams_list=STREAMS) -> list[LoopbackResult]:
-    """Every (chunk size, streams) point, engine and raw socket, in one run."""
+                    streams_list=STREAMS, backend: str = "tcp") -> list[LoopbackResult]:
+    """Every (chunk size, streams) point, engine and raw socket, in one run. ``backend``
+    "rdma" needs a NIC, or PDDCORE_VERBS=emulator in the environment (the verbs emulator:
+    its numbers measure the emulator, not RDMA hardware)."""
     import torch
 
     from pddcore.transfer import TransferEngine
@@ -157,7 +160,7 @@ def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 4, chunk_sizes=CHUNK_
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         info, port_path = os.path.join(tmp, "engine"), os.path.join(tmp, "raw")
-        sink = ctx.Process(target=engine_sink, args=("127.0.0.1:0", nbytes, info), daemon=True)
+        sink = ctx.Process(target=engine_sink, args=("127.0.0.1:0", nbytes, info, backend), daemon=True)
         plan = [(s, nbytes) for _, s in configs for _ in range(rounds + 1)]
         raw = ctx.Process(target=raw_sink, args=(port_path, plan), daemon=True)
         sink.start()
@@ -167,7 +170,7 @@ def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 4, chunk_sizes=CHUNK_
             port = int(read_info(port_path))
             raw_view = memoryview(data.numpy())
             for chunk, streams in configs:
-                with TransferEngine(streams=streams, chunk_bytes=chunk) as engine:
+                with TransferEngine(backend, streams=streams, chunk_bytes=chunk) as engine:
                     src = engine.register(data)
                     peer = engine.connect(desc_address(desc))
                     engine_times, raw_times = [], []
@@ -181,7 +184,8 @@ def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 4, chunk_sizes=CHUNK_
                     if (chunk, streams) == configs[-1]:
                         engine.send(peer, b"exit")
                 engine_s, raw_s = min(engine_times[1:]), min(raw_times[1:])
-                results.append(LoopbackResult(chunk, streams, nbytes, nbytes / engine_s / 1e9, nbytes / raw_s / 1e9))
+                results.append(LoopbackResult(chunk, streams, nbytes, nbytes / engine_s / 1e9, nbytes / raw_s / 1e9,
+                                              backend))
         finally:
             sink.join(30)
             raw.join(30)
