@@ -10,6 +10,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS = {
     "info": ("pddcore.info", "show version, compiled parts and usable devices"),
+    "demo": ("pddcore.deploy.cli", "run the reference PDD deployment: cross-DC PD vs PDD on an emulated WAN"),
     "wan": ("pddcore.testing.wan_cli", "emulated WAN link between two network namespaces (up, down, status)"),
 }
 
