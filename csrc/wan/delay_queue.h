@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
+#include <string>
 
 namespace pddcore::wan {
 
@@ -81,7 +82,7 @@ class ReleasePolicy {
 // release order and no timer wheel is needed.
 class DelayQueue {
  public:
-  static constexpr size_t kMaxPacket = 65536;  // any IP packet fits
+  static constexpr size_t kMaxPacket = 65536 + 64;  // any IP packet, plus a TUN virtio-net header
 
   struct Packet {
     uint64_t release_ns;
@@ -91,7 +92,8 @@ class DelayQueue {
 
   // Storage is left uninitialised so untouched pages of a large ring cost no memory.
   explicit DelayQueue(size_t byte_capacity) : capacity_(byte_capacity) {
-    if (byte_capacity < 2 * kMaxPacket) throw std::invalid_argument("delay queue needs at least 128 KiB");
+    if (byte_capacity < 2 * kMaxPacket)
+      throw std::invalid_argument("delay queue needs at least " + std::to_string(2 * kMaxPacket) + " bytes");
     if (byte_capacity > (size_t{1} << 31)) throw std::invalid_argument("delay queue is limited to 2 GiB");
     slots_ = 1024;
     while (slots_ < byte_capacity / 64) slots_ <<= 1;  // 64 B: about a bare TCP ACK

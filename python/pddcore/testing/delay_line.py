@@ -24,8 +24,11 @@ from .. import _C
 from . import netns
 
 _TUNSETIFF = 0x400454CA
+_TUNSETOFFLOAD = 0x400454D0
 _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
+_IFF_VNET_HDR = 0x4000
+_TUN_F_CSUM, _TUN_F_TSO4, _TUN_F_TSO6 = 0x01, 0x02, 0x04
 _STATS_FILE_BYTES = 4096
 _STAT_NAMES: list[str] = list(_C.delay_line_stat_names())
 _STATES = {0: "starting", 1: "running", 2: "stopped"}
@@ -33,7 +36,8 @@ _STATES = {0: "starting", 1: "running", 2: "stopped"}
 
 @dataclass(frozen=True)
 class LaneStats:
-    """Counters of one direction of the delay line (packets are IP packets, bytes their length)."""
+    """Counters of one direction of the delay line. A packet is what one read of the TUN device
+    returns: an IP packet, or with offload a TSO batch of up to 64 KiB plus a 10-byte header."""
 
     received_packets: int
     received_bytes: int
@@ -69,11 +73,19 @@ def read_stats(path: str) -> DelayLineStats:
     return DelayLineStats(_STATES.get(values["state"], "unknown"), values["loops"], lane["a_to_b"], lane["b_to_a"])
 
 
-def open_tun(name: str) -> int:
-    """Creates the (non-persistent) TUN device `name` in the current namespace; returns its fd."""
+def open_tun(name: str, offload: bool = False) -> int:
+    """Creates the (non-persistent) TUN device `name` in the current namespace; returns its fd.
+
+    With `offload`, the device takes and hands over TCP segmentation-offload batches (up to
+    64 KiB, each prefixed by a 10-byte virtio-net header that the delay line passes through
+    untouched) instead of MTU-sized packets: far fewer packets to move per byte.
+    """
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    flags = _IFF_TUN | _IFF_NO_PI | (_IFF_VNET_HDR if offload else 0)
     try:
-        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH22x", name.encode(), _IFF_TUN | _IFF_NO_PI))
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH22x", name.encode(), flags))
+        if offload:
+            fcntl.ioctl(fd, _TUNSETOFFLOAD, _TUN_F_CSUM | _TUN_F_TSO4 | _TUN_F_TSO6)
     except OSError:
         os.close(fd)
         raise
@@ -92,6 +104,7 @@ class DelayLineConfig:
     queue_bytes: int  # per direction
     stats_path: str
     cpu: int = -1  # pin to this CPU; -1: no pinning
+    offload: bool = False  # TSO batches instead of MTU packets (see open_tun)
 
 
 def start(config: DelayLineConfig, *, detach: bool = False, ready_timeout_s: float = 10.0) -> int:
@@ -167,7 +180,7 @@ def _child(config: DelayLineConfig, reply_fd: int, parent: int, detach: bool) ->
             signal.signal(sig, lambda *_: None)
         try:
             netns.enter(config.netns)
-            fd_a, fd_b = open_tun(config.tun_a), open_tun(config.tun_b)
+            fd_a, fd_b = open_tun(config.tun_a, config.offload), open_tun(config.tun_b, config.offload)
             stats_file = open(config.stats_path, "r+b")
             stats = np.frombuffer(mmap.mmap(stats_file.fileno(), _STATS_FILE_BYTES), dtype=np.uint64)
         except Exception as exc:  # noqa: BLE001 - reported to the parent

@@ -28,7 +28,7 @@ Example::
 API in short:
 
 - ``WanLink(rate="1gbit", delay_ms=25, jitter_ms=0, loss=0.0, *, mtu=1500, buffer_ms=None,
-  seed=None, name=None, delay_line_cpu=None)``; ``rate`` is a tc-style string
+  seed=None, name=None, delay_line_cpu=None, offload=None)``; ``rate`` is a tc-style string
   ("100mbit", "10gbit", "500kbit"; "Mbps"-style means bytes/s as in tc), an int in bit/s,
   or None for no cap. ``delay_ms`` is the one-way delay (RTT = 2 x delay_ms). ``jitter_ms``
   (<= delay_ms) spreads each packet's one-way delay uniformly over
@@ -37,7 +37,12 @@ API in short:
   upper bound). ``loss`` drops each packet independently with that probability.
   ``buffer_ms`` sizes the bottleneck queue as time at line rate (default
   max(2 x (delay + jitter), 10) ms, about one bandwidth-delay product, what loss-based TCP
-  needs for full rate). ``seed`` makes jitter/loss draws reproducible.
+  needs for full rate). ``seed`` makes jitter/loss draws reproducible. ``offload``
+  (default: on when loss == 0) lets TCP segmentation-offload batches of up to 64 KiB cross
+  the delay line whole, as they cross a veth: the path then costs a fraction of the CPU
+  per byte (a batch shares one delay; segments stay MTU-sized on the wire and in tbf's
+  accounting). Off, every MTU-sized packet is read and written on its own, as loss
+  needs. ``delay_line_cpu`` pins the delay line to one CPU.
 - Entering (or ``open()``) builds everything and returns the link; leaving (or
   ``close()``) tears everything down, also after an exception, Ctrl-C, or SIGTERM (a
   SIGTERM handler is installed while the link is open if the program has none). A link
@@ -184,7 +189,7 @@ class WanLink:
 
     def __init__(self, rate: str | int | None = "1gbit", delay_ms: float = 25.0, jitter_ms: float = 0.0,
                  loss: float = 0.0, *, mtu: int = 1500, buffer_ms: float | None = None, seed: int | None = None,
-                 name: str | None = None, delay_line_cpu: int | None = None):
+                 name: str | None = None, delay_line_cpu: int | None = None, offload: bool | None = None):
         self.rate_bps = parse_rate(rate)
         for label, value in (("delay_ms", delay_ms), ("jitter_ms", jitter_ms)):
             if not 0 <= float(value) <= 60_000:
@@ -199,6 +204,9 @@ class WanLink:
             raise ValueError(f"buffer_ms must be positive, got {buffer_ms!r}")
         if name is not None and not _NAME_RE.match(name):
             raise ValueError(f"name must be 1-20 characters of [a-z0-9], got {name!r}")
+        if offload and loss:
+            raise ValueError("offload=True cannot go with loss > 0: loss is drawn per packet, and with offload "
+                             "a packet is a batch of up to 44 TCP segments")
         if delay_line_cpu is not None and not 0 <= delay_line_cpu < (os.cpu_count() or 1):
             raise ValueError(f"delay_line_cpu must name one of the {os.cpu_count()} CPUs, got {delay_line_cpu!r}")
         self.delay_ms = float(delay_ms)
@@ -208,6 +216,7 @@ class WanLink:
         self.buffer_ms = float(buffer_ms) if buffer_ms is not None else max(2 * (self.delay_ms + self.jitter_ms), 10.0)
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)
         self.delay_line_cpu = delay_line_cpu
+        self.offload = (self.loss == 0) if offload is None else bool(offload)
         if name is None:
             with _counter_lock:
                 name = f"{os.getpid()}x{next(_counter)}"
@@ -324,7 +333,7 @@ class WanLink:
             netns=ns_m, tun_a="dl-ab", tun_b="dl-ba", delay_ns=round(self.delay_ms * 1e6),
             jitter_ns=round(self.jitter_ms * 1e6), loss=self.loss, seed=self.seed,
             queue_bytes=self._delay_queue_bytes(), stats_path=self.stats_path,
-            cpu=-1 if self.delay_line_cpu is None else self.delay_line_cpu), detach=detach)
+            cpu=-1 if self.delay_line_cpu is None else self.delay_line_cpu, offload=self.offload), detach=detach)
         self._write_state(owner=os.getpid())
 
         # Whatever enters from one end goes into the TUN device of that direction; what the
@@ -361,7 +370,7 @@ class WanLink:
         state = {"name": self.name, "owner_pid": owner, "owner_start": netns.pid_start_time(owner),
                  "delay_line_pid": self.delay_line_pid, "namespaces": list(self.namespaces),
                  "rate_bps": self.rate_bps, "delay_ms": self.delay_ms, "jitter_ms": self.jitter_ms,
-                 "loss": self.loss, "mtu": self.mtu, "buffer_ms": self.buffer_ms,
+                 "loss": self.loss, "mtu": self.mtu, "buffer_ms": self.buffer_ms, "offload": self.offload,
                  "addresses": {"a": self.a.address, "b": self.b.address}}
         os.makedirs(state_dir(), exist_ok=True)
         tmp = _state_path(self.name) + ".tmp"

@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--mtu", type=int, default=1500, help="MTU of every device on the path (default: 1500)")
     up.add_argument("--buffer-ms", type=float, default=None, help="bottleneck queue in ms at line rate")
     up.add_argument("--seed", type=int, default=None, help="seed for jitter and loss draws")
+    up.add_argument("--no-offload", action="store_true",
+                    help="move every MTU-sized packet through the delay line on its own (default with --loss)")
     down = sub.add_parser("down", help="remove a link")
     down.add_argument("--name", default="wan0", help="link name (default: wan0)")
     down.add_argument("--all", action="store_true", help="remove every pddcore WAN link on this machine")
@@ -42,9 +44,11 @@ def run(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     rate = None if args.rate.lower() == "none" else args.rate
     link = wan.WanLink(rate, args.delay_ms, args.jitter_ms, args.loss, mtu=args.mtu, buffer_ms=args.buffer_ms,
-                       seed=args.seed, name=args.name)
+                       seed=args.seed, name=args.name, offload=False if args.no_offload else None)
     link.open(detach=True)
-    print(f"{link!r} up".replace(", closed", ""))
+    rate = f"{link.rate_bps / 1e6:g} Mbit/s" if link.rate_bps else "uncapped"
+    print(f"WAN link {link.name} up: {rate}, delay {link.delay_ms:g} ms (RTT {link.rtt_ms:g} ms), "
+          f"jitter {link.jitter_ms:g} ms, loss {link.loss:g}")
     print(f"  a: {link.a.address} in namespace {link.a.netns}")
     print(f"  b: {link.b.address} in namespace {link.b.netns}")
     print(f"  run a command: ip netns exec {link.a.netns} <command>")
