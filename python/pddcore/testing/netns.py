@@ -50,6 +50,21 @@ def ip_batch(commands: Sequence[str], netns: str | None = None) -> None:
     run_tool(["ip", *(["-n", netns] if netns else []), "-batch", "-"], stdin="\n".join(commands) + "\n")
 
 
+def write_sysctls(netns_name: str, values: dict[str, object]) -> None:
+    """Sets net.* sysctls inside `netns_name` (through /proc/sys from a child in that namespace,
+    so no `sysctl` tool is needed). Keys the kernel lacks (e.g. IPv6 ones) are skipped."""
+    spawn_in(netns_name, _write_proc_sys, values).result()
+
+
+def _write_proc_sys(values: dict[str, object]) -> None:
+    for key, value in values.items():
+        try:
+            with open("/proc/sys/" + key.replace(".", "/"), "w") as f:
+                f.write(str(value))
+        except FileNotFoundError:
+            pass
+
+
 def list_namespaces() -> list[str]:
     try:
         return sorted(os.listdir(NETNS_DIR))

@@ -58,12 +58,21 @@ API in short:
   received / forwarded / dropped_loss / dropped_overflow packets, queue depth);
   ``link.delay_line_pid``; ``link.rtt_ms``; ``link.rate_bps``.
 
+- Module functions: ``unavailable_reason()`` (None, or why links cannot be built here: use
+  it in ``pytest.mark.skipif``), ``list_links()``, ``read_state(name)``, ``teardown(name)``,
+  ``cleanup_stale()``, ``parse_rate(rate)``.
+
 Inside a and b, tcp_rmem/tcp_wmem allow 64 MiB so TCP autotuning can fill a 10 Gbit/s x
 50 ms pipe: let autotuning work (don't set SO_RCVBUF/SO_SNDBUF, which net.core.rmem_max
-caps). Needs root, `ip`/`tc` (iproute2) and /dev/net/tun; otherwise WanUnavailable says
-what is missing. Callables run in forked children: call from the main thread of a process
-that can fork safely. A link is owned by the thread that opened it: attached helper
-processes die when that thread's process exits.
+caps). The congestion control is the host's default (net.ipv4.tcp_congestion_control);
+change it per namespace with ``netns.write_sysctls(link.a.netns, {...})``.
+
+Needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN, `ip`/`tc` (iproute2) and /dev/net/tun;
+otherwise WanUnavailable says what is missing. Callables run in forked children, so
+closures work and nothing is pickled on the way in, but create sockets, engines and
+threads inside the callable, not before. Forked helpers and the delay line die when the
+thread that started them exits: open links from a thread that outlives them (the main
+thread, normally). Setup takes about 0.2 s, teardown about 0.1 s.
 """
 
 from __future__ import annotations
@@ -86,7 +95,8 @@ from .delay_line import DelayLineStats
 from .netns import NamespaceCallError, NamespaceError, NamespaceProcess
 
 __all__ = ["WanLink", "Endpoint", "WanUnavailable", "NamespaceError", "NamespaceCallError", "NamespaceProcess",
-           "DelayLineStats", "parse_rate", "unavailable_reason", "cleanup_stale", "teardown", "list_links"]
+           "DelayLineStats", "parse_rate", "unavailable_reason", "cleanup_stale", "teardown", "list_links",
+           "link_alive", "read_state", "stats_path", "A_ADDRESS", "B_ADDRESS"]
 
 NS_PREFIX = "pddwan-"
 A_ADDRESS, B_ADDRESS = "10.201.1.1", "10.201.2.1"
@@ -114,12 +124,20 @@ def unavailable_reason() -> str | None:
     """Why a WanLink cannot be built here, or None when it can."""
     if os.geteuid() != 0:
         return "the WAN emulator needs root (network namespaces, TUN devices, tc)"
-    if not os.path.exists("/dev/net/tun"):
+    if not os.access("/dev/net/tun", os.R_OK | os.W_OK):
         return "the WAN emulator needs /dev/net/tun (TUN driver)"
+    missing = [name for name, bit in (("CAP_NET_ADMIN", 12), ("CAP_SYS_ADMIN", 21)) if not _effective_caps() >> bit & 1]
+    if missing:
+        return f"the WAN emulator needs {' and '.join(missing)} (an unprivileged container has root without them)"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"the WAN emulator needs the `{tool}` tool (iproute2)"
     return None
+
+
+def _effective_caps() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
 
 
 def parse_rate(rate: str | int | None) -> int | None:
@@ -243,7 +261,7 @@ class WanLink:
 
     @property
     def stats_path(self) -> str:
-        return os.path.join(state_dir(), f"{self.name}.stats")
+        return stats_path(self.name)
 
     def stats(self) -> DelayLineStats:
         """The delay line's counters (readable also after the delay line died)."""
@@ -307,14 +325,16 @@ class WanLink:
     def _build(self, detach: bool) -> None:
         ns_a, ns_m, ns_b = self.namespaces
         netns.ip_batch([f"netns add {ns}" for ns in self.namespaces])
-        for ns in self.namespaces:
-            _sysctl(ns, {"net.ipv6.conf.all.disable_ipv6": 1, "net.ipv6.conf.default.disable_ipv6": 1})
-        _sysctl(ns_m, {"net.ipv4.ip_forward": 1, "net.ipv4.conf.all.rp_filter": 0,
-                       "net.ipv4.conf.default.rp_filter": 0})
+        # No IPv6: link-local chatter would cross the delay line and muddle its counters.
+        no_ipv6 = {"net.ipv6.conf.all.disable_ipv6": 1, "net.ipv6.conf.default.disable_ipv6": 1}
+        # The TUN devices arrive later and must inherit rp_filter 0: delayed packets come back
+        # in on a device that is not the route to their source.
+        netns.write_sysctls(ns_m, {**no_ipv6, "net.ipv4.ip_forward": 1, "net.ipv4.conf.all.rp_filter": 0,
+                                   "net.ipv4.conf.default.rp_filter": 0})
         tcp_buffers = {"net.ipv4.tcp_rmem": f"4096 131072 {_TCP_BUFFER_MAX}",
                        "net.ipv4.tcp_wmem": f"4096 16384 {_TCP_BUFFER_MAX}"}
-        _sysctl(ns_a, tcp_buffers)
-        _sysctl(ns_b, tcp_buffers)
+        netns.write_sysctls(ns_a, {**no_ipv6, **tcp_buffers})
+        netns.write_sysctls(ns_b, {**no_ipv6, **tcp_buffers})
         netns.ip_batch([
             "link set lo up",
             f"link add to-a mtu {self.mtu} type veth peer name wan0 mtu {self.mtu} netns {ns_a}",
@@ -344,7 +364,6 @@ class WanLink:
             "rule add iif to-a lookup 100 pref 100", "rule add iif to-b lookup 101 pref 101",
             "route add default dev dl-ab table 100", "route add default dev dl-ba table 101",
         ], ns_m)
-        _sysctl(ns_m, {"net.ipv4.conf.dl-ab.rp_filter": 0, "net.ipv4.conf.dl-ba.rp_filter": 0})
         if self.rate_bps:
             rate_bytes = self.rate_bps / 8
             burst = max(int(rate_bytes * 1e-3), 4 * self.mtu)  # 1 ms of tokens: timer slack costs no rate
@@ -396,13 +415,13 @@ def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _sysctl(ns: str, values: dict[str, Any]) -> None:
-    # -e: a kernel without IPv6 has no ipv6 keys; that is fine.
-    netns.run_tool(["ip", "netns", "exec", ns, "sysctl", "-q", "-e", "-w", *(f"{k}={v}" for k, v in values.items())])
-
-
 def _state_path(name: str) -> str:
     return os.path.join(state_dir(), f"{name}.json")
+
+
+def stats_path(name: str) -> str:
+    """File holding the delay-line counters of link `name` (see delay_line.read_stats)."""
+    return os.path.join(state_dir(), f"{name}.stats")
 
 
 @contextmanager
@@ -444,11 +463,8 @@ def teardown(name: str) -> None:
     """Removes link `name` whoever owns it: kills every process in its namespaces (the delay
     line first), deletes the namespaces (which deletes its veth and TUN devices) and its files."""
     namespaces = [f"{NS_PREFIX}{name}-{side}" for side in ("m", "a", "b")]
-    for ns in namespaces:
+    for ns in namespaces:  # the delay line lives in "m"; its TUN devices vanish with it
         netns.kill_processes(netns.pids_in(ns))
-    state = read_state(name) or {}
-    if state.get("delay_line_pid") and netns.pid_alive(state["delay_line_pid"]):
-        netns.kill_processes([state["delay_line_pid"]])
     errors = []
     for ns in namespaces:
         if netns.exists(ns):
@@ -456,7 +472,7 @@ def teardown(name: str) -> None:
                 netns.run_tool(["ip", "netns", "del", ns])
             except NamespaceError as exc:
                 errors.append(str(exc))
-    stats = os.path.join(state_dir(), f"{name}.stats")
+    stats = stats_path(name)
     for path in (_state_path(name), stats, delay_line.error_path(stats)):
         try:
             os.unlink(path)

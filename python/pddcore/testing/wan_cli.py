@@ -71,7 +71,7 @@ def _describe(name: str) -> dict:
     state = wan.read_state(name) or {}
     info = {"name": name, "alive": wan.link_alive(name), **{k: v for k, v in state.items() if k != "name"}}
     try:
-        info["stats"] = asdict(wan.delay_line.read_stats(f"{wan.state_dir()}/{name}.stats"))
+        info["stats"] = asdict(wan.delay_line.read_stats(wan.stats_path(name)))
     except (OSError, ValueError):
         info["stats"] = None
     return info
