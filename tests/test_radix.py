@@ -170,6 +170,31 @@ def test_lru_evicts_oldest_leaf_tail_first():
     assert cache.num_pages == 0 and cache.evict(3) == []
 
 
+def test_eviction_keeps_exact_lru_per_page_across_merges():
+    cache = RadixCache(page_size=2)
+    cache.insert([1, 1, 2, 2, 3, 3], [10, 11, 12])   # t1
+    cache.insert([1, 1, 2, 2, 5, 5], [10, 11, 20])   # t2: splits after [1, 1, 2, 2]
+    cache.insert([9, 9], [30])                       # t3
+    cache.match_prefix([1, 1, 2, 2, 7, 7])           # t4: touches only the shared part
+    assert cache.evict(1) == [12]  # the shared edge, left with one child, merges into it
+    assert cache.evict(2) == [20, 30]  # the merged edge's tail is t2, its head t4: [9, 9] (t3) goes between
+    assert cache.evict(5) == [11, 10]
+
+
+def test_eviction_merges_paths_back_into_one_edge():
+    cache = RadixCache(page_size=1)
+    context = list(range(100))
+    cache.insert(context, list(range(100)))
+    for i, n in enumerate(range(10, 100, 10)):  # requests sharing ever longer prefixes split the edge
+        hit = cache.match_prefix(context[:n])
+        cache.insert(context[:n] + [-n], hit.pages + [100 + i])
+    cache.match_prefix(context)
+    assert sorted(cache.evict(9)) == list(range(100, 109))
+    hit = cache.match_prefix(context)
+    assert hit.matched_len == 100 and hit.pages == context
+    assert hit.node.parent.parent is None and len(hit.node.key) == 100  # one edge again
+
+
 def test_locked_path_survives_eviction_and_unlock_releases_it():
     cache = RadixCache(page_size=1)
     cache.insert([1, 2, 3, 4], [0, 1, 2, 3])

@@ -49,9 +49,14 @@ class CacheFullError(ValueError):
 
 class RadixNode:
     """One edge of the tree: ``key`` (a page-aligned run of token ids) and ``pages``
-    (one id per page). Returned by :meth:`RadixCache.match_prefix` for ``lock``."""
+    (one id per page). Returned by :meth:`RadixCache.match_prefix` for ``lock``.
 
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "id", "cache")
+    ``times`` holds the recency of the edge's pages as segments ``(end_page, time)``.
+    An edge has one segment until eviction merges a lone child into its parent; then
+    the parent's (more recent) pages keep their own time, so LRU stays exact per page.
+    """
+
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "times", "id", "cache")
 
     def __init__(self, key: tuple, pages: list[int], parent: "RadixNode | None", cache: "RadixCache", node_id: int):
         self.key = key
@@ -59,9 +64,14 @@ class RadixNode:
         self.children: dict[tuple, RadixNode] = {}
         self.parent = parent
         self.lock_ref = 0
-        self.last_access = 0
+        self.times: list[tuple[int, int]] = [(len(pages), 0)]
         self.id = node_id
         self.cache = cache
+
+    @property
+    def last_access(self) -> int:
+        """Recency of the edge's tail page (its least recent one)."""
+        return self.times[-1][1]
 
     def __repr__(self) -> str:
         return f"RadixNode(id={self.id}, tokens={len(self.key)}, pages={len(self.pages)}, lock_ref={self.lock_ref})"
@@ -231,7 +241,7 @@ class RadixCache:
         """Frees up to ``num_pages`` unlocked pages, least recently used first, from the
         tails of leaves (a prefix outlives its extensions). Returns the freed page ids,
         fewer than asked only when nothing more is evictable; ``num_pages <= 0`` frees
-        nothing."""
+        nothing. A parent left with one child is merged into it, so paths stay short."""
         if type(num_pages) is not int:
             raise ValueError(f"num_pages must be an integer, got {num_pages!r}")
         freed: list[int] = []
@@ -239,17 +249,25 @@ class RadixCache:
         heapq.heapify(heap)
         while len(freed) < num_pages and heap:
             _, _, node = heapq.heappop(heap)
-            take = min(num_pages - len(freed), len(node.pages))
-            freed.extend(reversed(node.pages[len(node.pages) - take:]))
-            if take < len(node.pages):
-                del node.pages[len(node.pages) - take:]
-                node.key = node.key[: len(node.pages) * self.page_size]
+            tail_start = node.times[-2][0] if len(node.times) > 1 else 0
+            take = min(num_pages - len(freed), len(node.pages) - tail_start)
+            keep = len(node.pages) - take
+            freed.extend(reversed(node.pages[keep:]))
+            if keep:
+                del node.pages[keep:]
+                node.key = node.key[: keep * self.page_size]
+                node.times = _cut_times(node.times, keep)[0]
+                heapq.heappush(heap, (node.last_access, node.id, node))
                 continue
             parent = node.parent
             self._detach(node)
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+            if parent.parent is None or parent.lock_ref:
+                continue
+            if not parent.children:
                 self._evictable_leaves.add(parent)
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            elif len(parent.children) == 1:
+                self._merge_into_child(parent)
         self._owned.difference_update(freed)
         return freed
 
@@ -325,13 +343,25 @@ class RadixCache:
         parent = child.parent
         upper = RadixNode(child.key[:at], child.pages[: at // self.page_size], parent, self, next(self._ids))
         upper.lock_ref = child.lock_ref
-        upper.last_access = child.last_access
+        upper.times, child.times = _cut_times(child.times, at // self.page_size)
         parent.children[upper.key[: self.page_size]] = upper
         child.key = child.key[at:]
         child.pages = child.pages[at // self.page_size:]
         child.parent = upper
         upper.children[child.key[: self.page_size]] = child
         return upper
+
+    def _merge_into_child(self, node: RadixNode) -> None:
+        """Joins an unlocked ``node`` with its only child (which keeps its identity)."""
+        (child,) = node.children.values()
+        offset = len(node.pages)
+        child.key = node.key + child.key
+        child.pages = node.pages + child.pages
+        child.times = node.times + [(end + offset, t) for end, t in child.times]
+        child.parent = node.parent
+        node.parent.children[node.key[: self.page_size]] = child
+        node.parent = None
+        node.children = {}
 
     def _add_child(self, node: RadixNode, key: tuple, pages: list[int]) -> RadixNode:
         child = RadixNode(key, pages, node, self, next(self._ids))
@@ -349,7 +379,7 @@ class RadixCache:
     def _touch(self, node: RadixNode) -> None:
         self._clock += 1
         while node is not None:
-            node.last_access = self._clock
+            node.times = [(len(node.pages), self._clock)]
             node = node.parent
 
     def _path_pages(self, node: RadixNode) -> list[int]:
@@ -369,3 +399,15 @@ class RadixCache:
             top = top.parent
         if top not in self._roots.values():
             raise ValueError(f"{node!r} is no longer in the cache (evicted or reset)")
+
+
+def _cut_times(times: list[tuple[int, int]], at: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Splits recency segments ``(end_page, time)`` at page ``at``: (before, after)."""
+    before, after, start = [], [], 0
+    for end, t in times:
+        if start < at:
+            before.append((min(end, at), t))
+        if end > at:
+            after.append((end - at, t))
+        start = end
+    return before, after
