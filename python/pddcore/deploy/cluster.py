@@ -36,7 +36,8 @@ class RunConfig:
     """One deployment. ``mode``: "pd" (cross-DC PD: P->MD only) or "pdd".
     ``model``: ``{"seed": 0}`` (embedded) or ``{"path": ...}``; ``kv_bytes_per_token``
     for the router (from the model's pool layout). Fault knobs: ``kill_md_after_s``
-    (SIGKILL MD that long after the first request), ``md_transfer_timeout_s``,
+    (SIGKILL MD that long after the deployment is ready), ``kill_md_after_tokens`` (SIGKILL
+    MD once the client got that many tokens from it), ``md_transfer_timeout_s``,
     ``corrupt_handoffs`` (RLD sends that many handoff messages malformed first)."""
 
     mode: str
@@ -46,10 +47,11 @@ class RunConfig:
     pool_pages: int = 1536
     staging_bytes: int = 48 << 20
     ttft_slo_s: float = 0.4
-    rld_tpot_s: float = 0.03
+    rld_tpot_s: float = 0.015
     rld_capacity: int = 8
     catch_up_threshold: int = 24
     kill_md_after_s: float | None = None
+    kill_md_after_tokens: int | None = None
     md_transfer_timeout_s: float | None = None
     corrupt_handoffs: int = 0
     deadline_s: float = 900.0
@@ -76,7 +78,7 @@ def run_deployment(config: RunConfig, scenario: Scenario, network: Network,
                   "page_size": config.page_size, "pool_pages": config.pool_pages}
         configs = {
             "front": {"hub": hub, "authkey": authkey, "mode": config.mode, "md_address": place.md_from_a,
-                      "rld_address": place.rld_from_p,
+                      "rld_address": place.rld_from_p, "md_token_milestone": config.kill_md_after_tokens,
                       "router": {"kv_bytes_per_token": config.kv_bytes_per_token, "ttft_slo_s": config.ttft_slo_s,
                                  "rld_tpot_s": config.rld_tpot_s, "rld_capacity": config.rld_capacity,
                                  "prior_bytes_per_s": network.bandwidth_bps / 8,
@@ -142,13 +144,13 @@ def _supervise(config: RunConfig, ctl, procs: dict, logs: dict, results_path: st
                 raise DeploymentError(f"{role} exited with {proc.returncode}\n{_all_tails(logs)}")
         if ready_at is not None and config.kill_md_after_s is not None and not md_killed \
                 and time.monotonic() - ready_at >= config.kill_md_after_s:
-            procs["MD"].send_signal(signal.SIGKILL)
-            procs["MD"].wait()
-            md_killed = True
+            md_killed = _kill(procs["MD"])
         if not ctl.poll(0.05):
             continue
         msg = ctl.recv()
-        if msg[0] == "ready":
+        if msg[0] == "md_milestone" and not md_killed:
+            md_killed = _kill(procs["MD"])
+        elif msg[0] == "ready":
             ready_at = time.monotonic()
         elif msg[0] == "progress" and on_progress is not None:
             on_progress(msg[1])
@@ -164,6 +166,12 @@ def _supervise(config: RunConfig, ctl, procs: dict, logs: dict, results_path: st
     with open(results_path) as f:
         results = json.load(f)
     return RunResult(config.mode, results["requests"], results["errors"], msg[1], results["wall_s"], md_killed)
+
+
+def _kill(proc: subprocess.Popen) -> bool:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return True
 
 
 def _reap(procs: dict[str, subprocess.Popen]) -> None:

@@ -72,6 +72,8 @@ class Front:
         self.violations: list[str] = []
         self.rejections: list[str] = []
         self.wan_bytes = 0
+        self.md_tokens = 0
+        self.md_token_milestone = config.get("md_token_milestone")
         self.t0 = time.monotonic()
 
     def _accept(self) -> None:
@@ -196,6 +198,11 @@ class Front:
             req.sources.append(role)
             forward.append((rid, index, token, role))
         self.send("client", "tokens", forward)
+        if role == "MD":
+            self.md_tokens += len(forward)
+            if self.md_token_milestone is not None and self.md_tokens >= self.md_token_milestone:
+                self.md_token_milestone = None
+                self.send("ctl", "md_milestone")  # fault injection: the supervisor kills MD now
 
     def on_handoff(self, _: str, rid: str, index: int, mode: str) -> None:
         req = self.requests[rid]

@@ -107,6 +107,7 @@ class WanRelay:
     # ---- internals ---------------------------------------------------------------------
     def _run(self, ready: threading.Event) -> None:
         loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
         for sock, target, side in self._routes:
             sock.setblocking(False)
             loop.run_until_complete(asyncio.start_server(
@@ -115,8 +116,10 @@ class WanRelay:
         try:
             loop.run_forever()
         finally:
-            for task in asyncio.all_tasks(loop):
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
                 task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: tuple[str, int],
