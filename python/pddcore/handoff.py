@@ -157,20 +157,15 @@ class Handoff:
         """The message in wire format version 1 (see the module docstring)."""
         body = bytearray()
         rid = self.request_id.encode("utf-8")
-        _put_varint(body, len(rid))
+        _put_varints(body, (len(rid),))
         body += rid
-        _put_varint(body, self.seq)
-        _put_varint(body, self.start_pos)
-        _put_varint(body, len(self.token_ids))
-        for t in self.token_ids:
-            _put_varint(body, t)
+        _put_varints(body, (self.seq, self.start_pos, len(self.token_ids)))
+        _put_varints(body, self.token_ids)
         wire_flags = int(self.flags)
         if self.sampler_state is not None:
             wire_flags |= _SAMPLER_BIT
             s = self.sampler_state
-            _put_varint(body, s.seed)
-            _put_varint(body, s.rng_offset)
-            _put_varint(body, s.num_generated)
+            _put_varints(body, (s.seed, s.rng_offset, s.num_generated))
         msg = bytearray(_HEADER.pack(MAGIC, VERSION, wire_flags, len(body)))
         msg += body
         msg += _CRC.pack(_C.crc32c(bytes(msg)))
@@ -214,7 +209,7 @@ class Handoff:
         count = reader.varint("token count", MAX_TOKENS + 1)
         if count > reader.remaining:  # each token takes at least one byte
             raise HandoffError(f"token count {count} exceeds the {reader.remaining} body bytes left")
-        tokens = tuple(reader.varint("token id", _TOKEN_LIMIT) for _ in range(count))
+        tokens = reader.varints(count, "token id", _TOKEN_LIMIT)
         sampler = None
         if wire_flags & _SAMPLER_BIT:
             sampler = SamplerState(reader.varint("seed", _U64), reader.varint("rng_offset", _U63),
@@ -229,11 +224,13 @@ def _check_uint(name: str, value: int, limit: int) -> None:
         raise HandoffError(f"{name} must be an integer in [0, 2**{limit.bit_length() - 1}), got {value!r}")
 
 
-def _put_varint(out: bytearray, value: int) -> None:
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
+def _put_varints(out: bytearray, values: Iterable[int]) -> None:
+    append = out.append
+    for value in values:
+        while value >= 0x80:
+            append((value & 0x7F) | 0x80)
+            value >>= 7
+        append(value)
 
 
 class _Reader:
@@ -256,21 +253,34 @@ class _Reader:
         return out
 
     def varint(self, what: str, limit: int = _U64) -> int:
+        return self.varints(1, what, limit)[0]
+
+    def varints(self, count: int, what: str, limit: int = _U64) -> list[int]:
+        """``count`` canonical LEB128 values below ``limit``; one tight loop, since the
+        token ids are most of a message."""
+        buf, pos, end = self.buf, self.pos, self.end
+        out: list[int] = []
         value = shift = 0
-        for i in range(10):
-            if self.pos >= self.end:
+        while len(out) < count:
+            if pos >= end:
                 raise HandoffError(f"{what}: varint runs past the end of the body")
-            byte = self.buf[self.pos]
-            self.pos += 1
-            value |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                if byte == 0 and i > 0:
-                    raise HandoffError(f"{what}: overlong varint encoding")
-                if value >= limit:
-                    raise HandoffError(f"{what} = {value} is out of range (limit {limit})")
-                return value
-            shift += 7
-        raise HandoffError(f"{what}: varint longer than 10 bytes")
+            byte = buf[pos]
+            pos += 1
+            if byte & 0x80:
+                value |= (byte & 0x7F) << shift
+                shift += 7
+                if shift >= 70:
+                    raise HandoffError(f"{what}: varint longer than 10 bytes")
+                continue
+            if byte == 0 and shift:
+                raise HandoffError(f"{what}: overlong varint encoding")
+            value |= byte << shift
+            if value >= limit:
+                raise HandoffError(f"{what} = {value} is out of range (limit {limit})")
+            out.append(value)
+            value = shift = 0
+        self.pos = pos
+        return out
 
 
 # ---- policy ---------------------------------------------------------------------------------
