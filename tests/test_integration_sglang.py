@@ -1,0 +1,284 @@
+"""pddcore as SGLang's PD transfer backend: the real ``KVPoll`` state machine, prefill and
+decode in two processes, pages compared byte for byte against plain torch indexing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+conn = pytest.importorskip("sglang.srt.disaggregation.base.conn",
+                           reason="sglang not installed: pip install --no-deps -r tests/integrations/requirements-engines.txt")
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from pddcore.integrations import sglang as pdd  # noqa: E402
+
+KVPoll = conn.KVPoll
+PAGE, HEAD_DIM, LAYERS, POOL_PAGES, AUX_ITEM = 4, 8, 3, 12, 16
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_args(port: int, tp: int = 1) -> ServerArgs:
+    return ServerArgs(model_path="unused-model", host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp)
+
+
+class Pool:
+    """An SGLang-shaped MHA token pool (``[slots, heads, head_dim]`` per layer) plus one aux buffer."""
+
+    def __init__(self, heads: int, rank: int, total_heads: int, fill: torch.Tensor | None = None):
+        shape = (POOL_PAGES * PAGE, heads, HEAD_DIM)
+        if fill is None:
+            self.k = [torch.zeros(shape) for _ in range(LAYERS)]
+            self.v = [torch.zeros(shape) for _ in range(LAYERS)]
+        else:  # fill: [LAYERS, 2, slots, total_heads, dim]; take this rank's heads
+            sl = slice(rank * heads, (rank + 1) * heads)
+            self.k = [fill[i, 0, :, sl].clone() for i in range(LAYERS)]
+            self.v = [fill[i, 1, :, sl].clone() for i in range(LAYERS)]
+        self.aux = torch.zeros(8, AUX_ITEM, dtype=torch.uint8)
+        args = conn.KVArgs()
+        planes = self.k + self.v
+        args.kv_data_ptrs = [t.data_ptr() for t in planes]
+        args.kv_data_lens = [t.numel() * 4 for t in planes]
+        args.kv_item_lens = [PAGE * heads * HEAD_DIM * 4] * len(planes)
+        args.page_size, args.kv_head_num, args.total_kv_head_num, args.engine_rank = PAGE, heads, total_heads, rank
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [self.aux.data_ptr()], [self.aux.numel()], [AUX_ITEM]
+        self.args = args
+
+    def pages(self, ids) -> torch.Tensor:
+        """[LAYERS, 2, len(ids), PAGE, heads, dim] copy of the given pages."""
+        return torch.stack([torch.stack([t.view(POOL_PAGES, PAGE, *t.shape[1:])[list(ids)] for t in pair])
+                            for pair in zip(self.k, self.v)])
+
+
+def decode_side(cmd: dict, out) -> None:
+    """Child process: decode ranks of TP ``d_tp`` receive one room; reports states and pages."""
+    torch.set_num_threads(1)
+    d_tp, total = cmd["d_tp"], cmd["total_heads"]
+    pools, mgrs, receivers = [], [], []
+    try:
+        for rank in range(d_tp):
+            pool = Pool(total // d_tp, rank, total)
+            pools.append(pool)
+            mgrs.append(pdd.PDDKVManager(pool.args, "decode", _server_args(cmd["port"], d_tp)))
+            receivers.append(pdd.PDDKVReceiver(mgrs[-1], f"127.0.0.1:{cmd['port']}", cmd["room"], timeout_s=60))
+        seen = [[r.poll()] for r in receivers]
+        while any(s[-1] == KVPoll.Bootstrapping for s in seen):
+            time.sleep(0.01)
+            for r, s in zip(receivers, seen):
+                s.append(r.poll())
+        for r in receivers:
+            r.init(0)
+            if cmd.get("abort_decode"):
+                r.abort()
+            else:
+                r.send_metadata(np.array(cmd["d_pages"], dtype=np.int32), aux_index=cmd["d_aux"],
+                                decode_prefix_len=cmd["prefix_len"])
+        while not all(s[-1] in TERMINAL for s in seen):
+            time.sleep(0.005)
+            for r, s in zip(receivers, seen):
+                s.append(r.poll())
+        errors = []
+        for r, s in zip(receivers, seen):
+            if s[-1] == KVPoll.Failed:
+                try:
+                    r.failure_exception()
+                except pdd.PDDTransferError as exc:
+                    errors.append(str(exc))
+        out.send({"states": [list(dict.fromkeys(s)) for s in seen], "errors": errors,
+                  "pools": [(p.pages(range(POOL_PAGES)).numpy(), p.aux.numpy().copy()) for p in pools]})
+    except Exception as exc:  # report instead of hanging the parent
+        out.send({"crash": repr(exc)})
+    finally:
+        for m in mgrs:
+            m.close()
+
+
+def decode_server(pipe) -> None:
+    """Child process: runs one decode-side scenario per command until it receives None."""
+    while (cmd := pipe.recv()) is not None:
+        decode_side(cmd, pipe)
+
+
+@pytest.fixture(scope="module")
+def decode_process():
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no threads inherited from pytest
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=decode_server, args=(child,), daemon=True)
+    proc.start()
+    yield parent
+    parent.send(None)
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+
+
+@pytest.fixture
+def run_decode(decode_process):
+    def start(**cmd):
+        decode_process.send(cmd)
+        return decode_process
+
+    return start
+
+
+def _drive_prefill(p_tp, total, fill, port, room, p_pages, prefix_pages, chunks, abort_prefill=False):
+    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
+    pools = [Pool(total // p_tp, r, total, fill) for r in range(p_tp)]
+    for pool in pools:
+        pool.aux[5] = torch.arange(AUX_ITEM, dtype=torch.uint8) + 7
+    mgrs = [pdd.PDDKVManager(pool.args, "prefill", _server_args(port, p_tp)) for pool in pools]
+    senders = [pdd.PDDKVSender(m, f"127.0.0.1:{port}", room) for m in mgrs]
+    seen = [[s.poll()] for s in senders]
+    try:
+        deadline = time.monotonic() + 60
+        while any(s[-1] == KVPoll.Bootstrapping for s in seen) and time.monotonic() < deadline:
+            time.sleep(0.005)
+            for snd, s in zip(senders, seen):
+                s.append(snd.poll())
+        for snd, s in zip(senders, seen):
+            if s[-1] != KVPoll.WaitingForInput:
+                continue
+            assert snd.pop_decode_prefix_len() == prefix_pages * PAGE
+            to_send = p_pages[prefix_pages:]
+            snd.init(len(to_send), aux_index=5)
+            if abort_prefill:
+                snd.abort()
+                continue
+            for part in np.array_split(np.array(to_send, dtype=np.int32), chunks):
+                snd.send(part)
+        while not all(s[-1] in TERMINAL for s in seen) and time.monotonic() < deadline:
+            time.sleep(0.005)
+            for snd, s in zip(senders, seen):
+                s.append(snd.poll())
+        return [list(dict.fromkeys(s)) for s in seen], senders
+    finally:
+        for m in mgrs:
+            m.close()
+        server.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
+def test_pages_and_prefix_suffix_arrive_byte_identical(run_decode, p_tp, d_tp):
+    total, port, room = 4, _free_port(), 4242 + p_tp * 10 + d_tp
+    gen = torch.Generator().manual_seed(p_tp * 7 + d_tp)
+    fill = torch.randn(LAYERS, 2, POOL_PAGES * PAGE, total, HEAD_DIM, generator=gen)
+    p_pages = [9, 3, 4, 11, 0, 6]           # the request's pages on prefill, in token order
+    prefix_pages = 2                        # decode's radix cache already holds the first 2 pages
+    d_pages = [7, 1, 10, 2]                 # decode pages for the suffix
+    out = run_decode(d_tp=d_tp, total_heads=total, port=port, room=room, d_pages=d_pages, d_aux=3,
+                     prefix_len=prefix_pages * PAGE)
+    p_states, _ = _drive_prefill(p_tp, total, fill, port, room, p_pages, prefix_pages, chunks=2)
+    result = out.recv()
+    assert "crash" not in result, result
+    assert all(states[0] == KVPoll.Bootstrapping for states in p_states), p_states
+    for states in p_states + result["states"]:  # the KVPoll order, as polled
+        assert states[-1] == KVPoll.Success, states
+        assert states == sorted(states) and KVPoll.WaitingForInput in states, states
+    full = fill.view(LAYERS, 2, POOL_PAGES, PAGE, total, HEAD_DIM)
+    per = total // d_tp
+    for rank, (pages, aux) in enumerate(result["pools"]):
+        pages, aux = torch.from_numpy(pages), torch.from_numpy(aux)
+        want = torch.zeros_like(pages)
+        want[:, :, d_pages] = full[:, :, p_pages[prefix_pages:], :, rank * per:(rank + 1) * per]
+        assert torch.equal(pages, want)  # suffix in place, prefix pages and the rest untouched
+        assert aux[3].tolist() == list(range(7, 7 + AUX_ITEM)) and int(aux.sum()) == int(aux[3].sum())
+
+
+def test_prefill_abort_fails_both_sides(run_decode):
+    port, room = _free_port(), 77
+    fill = torch.randn(LAYERS, 2, POOL_PAGES * PAGE, 2, HEAD_DIM)
+    out = run_decode(d_tp=1, total_heads=2, port=port, room=room, d_pages=[1, 2], d_aux=0, prefix_len=0)
+    p_states, senders = _drive_prefill(1, 2, fill, port, room, [4, 5], 0, chunks=1, abort_prefill=True)
+    result = out.recv()
+    assert p_states[0][-1] == KVPoll.Failed and result["states"][0][-1] == KVPoll.Failed
+    with pytest.raises(pdd.PDDTransferError, match="aborted by the prefill side"):
+        senders[0].failure_exception()
+    assert "aborted by the prefill side" in result["errors"][0]
+    assert np.count_nonzero(result["pools"][0][0]) == 0  # nothing was applied
+
+
+def test_decode_abort_fails_prefill(run_decode):
+    port, room = _free_port(), 78
+    fill = torch.randn(LAYERS, 2, POOL_PAGES * PAGE, 2, HEAD_DIM)
+    out = run_decode(d_tp=1, total_heads=2, port=port, room=room, d_pages=[1, 2], d_aux=0, prefix_len=0,
+                     abort_decode=True)
+    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
+    pool = Pool(2, 0, 2, fill)
+    mgr = pdd.PDDKVManager(pool.args, "prefill", _server_args(port))
+    try:
+        result = out.recv()
+        assert result["states"][0][-1] == KVPoll.Failed and "aborted by the decode side" in result["errors"][0]
+        sender = pdd.PDDKVSender(mgr, f"127.0.0.1:{port}", room)
+        deadline = time.monotonic() + 30
+        while sender.poll() != KVPoll.Failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(pdd.PDDTransferError, match="aborted by the decode side"):
+            sender.failure_exception()
+    finally:
+        mgr.close()
+        server.close()
+
+
+def test_decode_times_out_without_prefill():
+    pool = Pool(2, 0, 2)
+    mgr = pdd.PDDKVManager(pool.args, "decode", _server_args(_free_port()))
+    try:
+        receiver = pdd.PDDKVReceiver(mgr, f"127.0.0.1:{_free_port()}", 5, timeout_s=0.2)
+        assert receiver.poll() == KVPoll.Bootstrapping
+        with pytest.raises(RuntimeError, match="need WaitingForInput"):
+            receiver.send_metadata(np.array([1], dtype=np.int32))
+        time.sleep(0.3)
+        assert receiver.poll() == KVPoll.Failed
+        with pytest.raises(pdd.PDDTransferError, match="timed out in state 1"):
+            receiver.failure_exception()
+    finally:
+        mgr.close()
+
+
+def test_sender_rejects_more_pages_than_announced_and_state_indices():
+    port = _free_port()
+    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
+    pool = Pool(2, 0, 2)
+    mgr = pdd.PDDKVManager(pool.args, "prefill", _server_args(port))
+    try:
+        sender = pdd.PDDKVSender(mgr, f"127.0.0.1:{port}", 9)
+        with pytest.raises(RuntimeError, match="before the decode side registered"):
+            sender.init(2)
+        with pytest.raises(RuntimeError, match="before init"):
+            sender.send(np.array([1], dtype=np.int32))
+    finally:
+        mgr.close()
+        server.close()
+
+
+def test_install_registers_backend():
+    try:
+        import sglang.srt.disaggregation.utils as disagg_utils
+    except Exception as exc:  # noqa: BLE001 - any import failure means the CPU install cannot reach it
+        pytest.skip(f"sglang.srt.disaggregation.utils does not import here ({type(exc).__name__}: {exc}); "
+                    "it needs torchvision, whose PyPI build requires a CUDA torch")
+    pdd.install()
+    backend = disagg_utils.TransferBackend("pddcore")
+    assert disagg_utils.get_kv_class(backend, disagg_utils.KVClassType.SENDER) is pdd.PDDKVSender
+    assert disagg_utils.get_kv_class(disagg_utils.TransferBackend("fake"),
+                                     disagg_utils.KVClassType.SENDER).__name__ == "FakeKVSender"
+
+
+@pytest.mark.gpu
+def test_generation_end_to_end_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU and CUDA builds of torch and sglang: launches a prefill and a decode "
+                    "server with --disaggregation-transfer-backend pddcore and compares their greedy output "
+                    "with a single server's")
+    pytest.skip("the CUDA sglang server stack (sgl-kernel, flashinfer) is not installed by this project's CI")
