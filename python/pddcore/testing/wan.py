@@ -57,7 +57,7 @@ API in short:
 - ``link.stats()`` -> :class:`~pddcore.testing.delay_line.DelayLineStats` (per direction:
   received / forwarded / dropped_loss / dropped_overflow packets, queue depth);
   ``link.delay_line_pid``; ``link.rtt_ms``; ``link.rate_bps``.
-
+- Several links can be up at once (each in its own namespaces, all with the same addresses).
 - Module functions: ``unavailable_reason()`` (None, or why links cannot be built here: use
   it in ``pytest.mark.skipif``), ``list_links()``, ``read_state(name)``, ``teardown(name)``,
   ``cleanup_stale()``, ``parse_rate(rate)``.
