@@ -92,14 +92,6 @@ def tcp_source(address: str, port: int, data: bytes) -> None:
         s.sendall(data)
 
 
-def wait_listening(link: WanLink, port: int, proto: str = "u") -> None:
-    for _ in range(500):
-        if f":{port} " in link.b.run(["ss", f"-ln{proto}"]).stdout:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"nothing listens on port {port} in b")
-
-
 def root_links() -> set[str]:
     return {line.split(":")[1].strip().split("@")[0] for line in
             subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()}
@@ -266,7 +258,7 @@ def test_clear_error_without_root(monkeypatch):
 def test_rtt_is_twice_the_delay_and_tcp_bytes_arrive_intact(offload):
     with WanLink(rate="1gbit", delay_ms=10, offload=offload) as link:
         echo = link.b.spawn(udp_echo, 7000, 15)
-        wait_listening(link, 7000)
+        link.b.wait_port(7000, udp=True)
         rtts = sorted(link.a.call(udp_ping, link.b.address, 7000, 15, timeout=30))
         assert echo.result(10) == 15
         assert rtts[0] >= 20 - 0.1, "faster than light: the delay line released packets early"
@@ -274,7 +266,7 @@ def test_rtt_is_twice_the_delay_and_tcp_bytes_arrive_intact(offload):
 
         data = os.urandom(12 << 20)  # more than the delay queue: its ring wraps
         sink = link.b.spawn(tcp_sink, 7001)
-        wait_listening(link, 7001, "t")
+        link.b.wait_port(7001)
         link.a.call(tcp_source, link.b.address, 7001, data, timeout=60)
         assert sink.result(30) == hashlib.sha256(data).hexdigest()
         stats = link.stats()
@@ -291,7 +283,7 @@ def test_jitter_keeps_order_and_bounds_and_udp_payloads_intact():
     payloads = [os.urandom(n) for n in np.random.default_rng(3).integers(1, 1460, size=300)]
     with WanLink(rate="100mbit", delay_ms=6, jitter_ms=4, seed=11) as link:
         receiver = link.b.spawn(udp_receive, 7002, len(payloads))
-        wait_listening(link, 7002)
+        link.b.wait_port(7002, udp=True)
         link.a.call(udp_send, link.b.address, 7002, payloads, 0.002, timeout=30)
         got = receiver.result(30)
         stats = link.stats()
@@ -308,7 +300,7 @@ def test_loss_rate_within_statistical_tolerance():
     n, p = 3000, 0.2
     with WanLink(rate="1gbit", delay_ms=1, loss=p) as link:
         receiver = link.b.spawn(udp_receive, 7003, n, idle_s=0.5)
-        wait_listening(link, 7003)
+        link.b.wait_port(7003, udp=True)
         link.a.call(udp_send, link.b.address, 7003, [bytes(200)] * n, 0.001, 100, timeout=30)
         got = receiver.result(30)
         lane = link.stats().a_to_b
@@ -382,6 +374,8 @@ def test_owner_killed_by_signal_leaves_nothing_after_next_start(sig):
 @needs_root
 def test_callable_errors_come_back_with_the_remote_traceback():
     with WanLink(rate=None, delay_ms=0) as link:
+        with pytest.raises(TimeoutError, match="port 7009"):
+            link.a.wait_port(7009, timeout=0.05)
         assert link.a.call(lambda: socket.gethostbyname("localhost")) == "127.0.0.1"
         addresses = link.b.run(["ip", "-4", "-o", "addr"]).stdout
         assert link.b.address in addresses and link.a.address not in addresses

@@ -87,6 +87,7 @@ def delay_line_capacity(mtu: int, seconds: float = 3.0) -> DelayLineResult:
     line_cpu, sender_cpu = cpus[0], (cpus[1] if len(cpus) > 1 else None)
     with WanLink(rate=None, delay_ms=1, mtu=mtu, delay_line_cpu=line_cpu) as link:
         hold = link.b.spawn(_udp_hold, 9100, seconds + 2)
+        link.b.wait_port(9100, udp=True)
         before = link.stats().a_to_b.forwarded_packets, _cpu_seconds(link.delay_line_pid), time.monotonic()
         link.a.call(_udp_blast, link.b.address, 9100, mtu - 28, seconds, sender_cpu)
         time.sleep(0.05)  # let the last delayed packets out
@@ -146,10 +147,7 @@ class TcpResult:
 def bulk_tcp(rate: str | None, delay_ms: float, seconds: float = 6.0, offload: bool = True) -> TcpResult:
     with WanLink(rate=rate, delay_ms=delay_ms, offload=offload) as link:
         receiver = link.b.spawn(_tcp_receive, 9200)
-        for _ in range(500):
-            if ":9200 " in link.b.run(["ss", "-lnt"]).stdout:
-                break
-            time.sleep(0.01)
+        link.b.wait_port(9200)
         link.a.call(_tcp_send, link.b.address, 9200, seconds)
         samples = receiver.result(60)
         rate_bps = link.rate_bps

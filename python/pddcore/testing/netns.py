@@ -65,6 +65,31 @@ def _write_proc_sys(values: dict[str, object]) -> None:
             pass
 
 
+def wait_port(netns_name: str, port: int, *, udp: bool = False, timeout: float = 10.0) -> None:
+    """Returns once a TCP socket listens (or a UDP socket is bound) on `port` inside `netns_name`;
+    raises TimeoutError after `timeout` seconds."""
+    if not spawn_in(netns_name, _poll_port, port, udp, timeout).result():
+        raise TimeoutError(f"nothing {'bound to UDP' if udp else 'listens on TCP'} port {port} in {netns_name} "
+                           f"after {timeout} s")
+
+
+def _poll_port(port: int, udp: bool, timeout: float) -> bool:
+    tables = ("udp", "udp6") if udp else ("tcp", "tcp6")
+    state = "07" if udp else "0A"  # unconnected / LISTEN, in /proc/net/{tcp,udp}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for table in tables:
+            try:
+                with open(f"/proc/net/{table}") as f:
+                    rows = [line.split() for line in f.readlines()[1:]]
+            except FileNotFoundError:
+                continue
+            if any(int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == state for row in rows):
+                return True
+        time.sleep(0.005)
+    return False
+
+
 def list_namespaces() -> list[str]:
     try:
         return sorted(os.listdir(NETNS_DIR))

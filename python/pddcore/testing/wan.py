@@ -21,6 +21,7 @@ Example::
 
     with WanLink(rate="1gbit", delay_ms=25) as link:          # RTT 50 ms, 1 Gbit/s each way
         server = link.b.spawn(my_server, port=9000)           # Python callable inside b
+        link.b.wait_port(9000)                                # until it listens
         link.a.call(my_client, link.b.address, 9000)          # ... and inside a
         link.a.run(["ip", "addr"])                            # a command inside a
         print(link.stats().a_to_b.forwarded_packets)
@@ -52,8 +53,10 @@ API in short:
   ``run(cmd)`` (``ip netns exec``; returns CompletedProcess), ``popen(cmd)``,
   ``call(fn, *args)`` (runs a Python callable in a forked child inside the namespace and
   returns its result), ``spawn(fn, *args)`` (same, in the background: a
-  :class:`~pddcore.testing.netns.NamespaceProcess` with ``result(timeout)``/``kill()``).
-  Anything started in a namespace is killed at teardown.
+  :class:`~pddcore.testing.netns.NamespaceProcess` with ``result(timeout)``/``kill()``),
+  ``wait_port(port, udp=False)`` (until a server there listens: start the server with
+  ``spawn``, wait, then connect from the other side). Anything started in a namespace is
+  killed at teardown.
 - ``link.stats()`` -> :class:`~pddcore.testing.delay_line.DelayLineStats` (per direction:
   received / forwarded / dropped_loss / dropped_overflow packets, queue depth);
   ``link.delay_line_pid``; ``link.rtt_ms``; ``link.rate_bps``.
@@ -190,6 +193,11 @@ class Endpoint:
     def spawn(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NamespaceProcess:
         """Runs `fn(*args, **kwargs)` in a forked child inside this namespace; returns at once."""
         return self._link._track(netns.spawn_in(self.netns, fn, *args, **kwargs))
+
+    def wait_port(self, port: int, *, udp: bool = False, timeout: float = 10.0) -> None:
+        """Waits until a server in this namespace listens on TCP `port` (or has bound UDP `port`),
+        so a client in the other namespace can connect without racing it."""
+        netns.wait_port(self.netns, port, udp=udp, timeout=timeout)
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Runs `fn(*args, **kwargs)` inside this namespace and returns its (picklable) result.
