@@ -270,21 +270,21 @@ def test_pdd_p90_never_above_cross_dc(seed, gbps, rate):
 
 
 def test_calibration_regression():
-    """Bands around the calibration scenario (1500 requests), not exact values."""
+    """Bands around the calibration scenario (1500 requests, the WAN ~85 % busy), not exact values."""
     trace = calibration_trace(1500)
     configs = calibration_configs()
     s = {name: run_trace(cfg, trace) for name, cfg in configs.items()}
     same, cross, pdd = s["same-DC PD"], s["cross-DC PD"], s["PDD"]
     assert 0.85 <= same["p_hit_rate"] <= 0.93
-    assert cross["md_hit_rate"] >= cross["p_hit_rate"] - 0.03      # MD keeps up at this load
-    assert 6.0 <= cross["wan_gbps_mean"] <= 20.0
-    assert pdd["ttft_p90_s"] <= cross["ttft_p90_s"]
+    assert cross["md_hit_rate"] >= cross["p_hit_rate"] - 0.03      # MD's cache keeps up at this load
+    assert 6.0 <= cross["wan_gbps_mean"] <= 16.0 and 0.6 <= cross["wan_busy_fraction"] <= 1.0
+    assert pdd["ttft_p90_s"] <= 0.5 * cross["ttft_p90_s"]           # the report: -46 %
     assert pdd["ttft_p99_s"] <= cross["ttft_p99_s"]
-    assert 0.0 < pdd["rld_token_share"] < 0.10
+    assert 0.01 < pdd["rld_token_share"] < 0.15                     # the report: ~6 %
     assert same["ttft_p90_s"] < 5.0 and same["wan_gbps_mean"] == 0
+    assert same["sla_attainment"] >= 0.99 and pdd["sla_attainment"] >= 0.95 > cross["sla_attainment"]
     for x in (same, cross, pdd):
         assert 0.005 < x["tpot_p50_s"] < 0.05
-        assert x["sla_attainment"] > 0.9
 
 
 def test_goodput_search_brackets_the_sla():

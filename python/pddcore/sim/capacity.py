@@ -30,7 +30,8 @@ def max_goodput(config: ClusterConfig, requests: Sequence[Request], attainment: 
                 iterations: int = 6, low: float = 0.125, high: float = 16.0) -> tuple[float, dict[str, Any]]:
     """Geometric bisection over the rate factor in [``low``, ``high``] x the trace's
     rate. Returns the highest passing rate (req/s) and its summary; 0 and the run at
-    ``low`` when even that fails."""
+    ``low`` when even that fails. When ``high`` passes, the rate is a lower bound and
+    the summary says ``"goodput_capped": True``."""
     if not 0 < attainment <= 1:
         raise ValueError(f"attainment must be in (0, 1], got {attainment!r}")
     requests = list(requests)
@@ -47,7 +48,7 @@ def max_goodput(config: ClusterConfig, requests: Sequence[Request], attainment: 
         return 0.0, best
     top = attempt(high)
     if top["sla_attainment"] >= attainment:
-        return base_rate * high, top
+        return base_rate * high, {**top, "goodput_capped": True}
     lo, hi = low, high
     for _ in range(iterations):
         mid = math.sqrt(lo * hi)

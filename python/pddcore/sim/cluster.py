@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
+from .._C import crc32c
 from ..handoff import HandoffPolicy, HandoffState
 from ..router import BandwidthEstimator, Pipeline, RouteRequest, Router, RouterConfig
 from .costmodel import CostModel
@@ -337,8 +338,9 @@ class ClusterSim:
     def _pick_decode(self, job: Job) -> DecodeInstance:
         # With a decode-side cache a session sticks to one MD (its prefixes live there);
         # without one, the least loaded instance takes the request.
+        # The session's CRC32C, not hash(): str hashes change per process (PYTHONHASHSEED).
         if self.cfg.cross_dc and self.cfg.drc and job.req.session is not None:
-            return self.decodes[hash(job.req.session) % len(self.decodes)]
+            return self.decodes[crc32c(repr(job.req.session).encode()) % len(self.decodes)]
         return min(self.decodes, key=lambda d: d.pool.load)
 
     def _reserve_md(self, job: Job) -> None:
