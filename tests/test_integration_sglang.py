@@ -245,6 +245,22 @@ def test_decode_times_out_without_prefill():
         mgr.close()
 
 
+def test_decode_rejects_a_prefill_pool_of_another_shape():
+    port = _free_port()
+    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
+    prefill = pdd.PDDKVManager(Pool(2, 0, 2).args, "prefill", _server_args(port))
+    decode = pdd.PDDKVManager(Pool(1, 0, 1).args, "decode", _server_args(_free_port()))  # 1 KV head, not 2
+    try:
+        receiver = pdd.PDDKVReceiver(decode, f"127.0.0.1:{port}", 11, timeout_s=30)
+        assert receiver.poll() == KVPoll.Failed
+        with pytest.raises(pdd.PDDTransferError, match="prefill has 2 KV heads, decode 1"):
+            receiver.failure_exception()
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
+
+
 def test_sender_rejects_more_pages_than_announced_and_state_indices():
     port = _free_port()
     server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
