@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pddcore.benchmarks.timing import best_seconds
+from pddcore.benchmarks.extend_cases import extend_vs_decode_steps
 from pddcore.model import Model
 
 
@@ -23,29 +23,7 @@ def model():
 
 
 def run_case(model: Model, prefix_len: int, new_tokens: int) -> dict:
-    pool = model.new_pool(num_pages=(prefix_len + new_tokens) // 16 + 8, page_size=16)
-    prefix = pool.new_sequence()
-    model.prefill([prefix], [[(31 * i + 7) % model.config.vocab_size for i in range(prefix_len)]])
-    tokens = [(17 * i + 5) % model.config.vocab_size for i in range(new_tokens)]
-
-    def decode_steps():
-        seq = pool.fork(prefix)
-        for t in tokens:
-            logits = model.decode([seq], [t])
-        pool.release(seq)
-        return logits
-
-    def extend_once():
-        seq = pool.fork(prefix)
-        logits = model.extend([seq], [tokens])
-        pool.release(seq)
-        return logits
-
-    torch.testing.assert_close(extend_once(), decode_steps(), rtol=0, atol=1e-10)
-    decode_s = best_seconds(decode_steps, repeats=3)
-    extend_s = best_seconds(extend_once, repeats=3)
-    return {"prefix": prefix_len, "new_tokens": new_tokens, "decode_steps_s": decode_s, "extend_s": extend_s,
-            "extend_speedup_vs_decode_steps": decode_s / extend_s}
+    return extend_vs_decode_steps(model, prefix_len, new_tokens).as_dict()
 
 
 @pytest.mark.parametrize("new_tokens", [16, 100])

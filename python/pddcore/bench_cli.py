@@ -1,0 +1,364 @@
+"""`pddcore bench`: the microbenchmark suite on this machine, with a progress bar, a
+results table (each ratio beside its in-run baseline), ``results.json`` with machine
+info, and PNG plots.
+
+Cases (``--cases``, comma-separated; default all):
+
+- ``pack``: pack / unpack GB/s against a contiguous copy of the same bytes.
+- ``transfer``: TransferEngine against raw sockets on loopback, per chunk size and streams.
+- ``wan``: TransferEngine goodput through the WAN emulator against the line rate, and
+  priority-lane latency under bulk load against the idle link (root only).
+- ``handoff``: the PDD report's 100-token handoff, KV against token ids + extend (root only).
+- ``extend``: one extend pass over N handed-off tokens against N decode steps, N = 1..512.
+- ``radix``: RadixCache match / insert ops/s against a hash-chain prefix cache.
+
+Example::
+
+    pddcore bench --quick --out /tmp/bench            # about a minute
+    pddcore bench --cases pack,radix --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+from .benchmarks import extend_cases, handoff_cases, pack_cases, radix_cases, transfer_cases
+
+CASES = ("pack", "transfer", "wan", "handoff", "extend", "radix")
+
+
+@dataclass
+class Row:
+    """One line of the results table: a measurement, its baseline and their ratio."""
+
+    case: str
+    what: str
+    value: float
+    baseline_name: str
+    baseline: float
+    unit: str
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.baseline if self.baseline else float("nan")
+
+    def as_dict(self) -> dict:
+        return {"case": self.case, "what": self.what, "value": self.value, "unit": self.unit,
+                "baseline_name": self.baseline_name, "baseline": self.baseline, "ratio": self.ratio}
+
+
+@dataclass
+class CaseOutput:
+    data: dict
+    text: str
+    rows: list[Row]
+
+
+class Skipped(Exception):
+    """A case that cannot run on this machine (the message says why)."""
+
+
+# ---- cases --------------------------------------------------------------------------------
+
+
+def case_pack(quick: bool, backend: str) -> CaseOutput:
+    points = [(32 << 10, t) for t in pack_cases.THREADS] if quick else [
+        (p, t) for p in pack_cases.PAGE_BYTES for t in pack_cases.THREADS]
+    total = (16 << 20) if quick else (64 << 20)
+    results = [pack_cases.run_case(p, t, total_bytes=total) for p, t in points]
+    rows = []
+    for r in results:
+        tag = f"{r.page_bytes >> 10} KiB pages, {r.threads} thr"
+        rows.append(Row("pack", f"pack {tag}", r.pack_gbps, "copy_", r.copy_gbps, "GB/s"))
+        rows.append(Row("pack", f"unpack {tag}", r.unpack_gbps, "copy_", r.copy_gbps, "GB/s"))
+    return CaseOutput({"points": [r.as_dict() for r in results]}, pack_cases.format_table(results), rows)
+
+
+def case_transfer(quick: bool, backend: str) -> CaseOutput:
+    if quick:
+        results = transfer_cases.loopback_matrix(32 << 20, 2, (64 << 10, 1 << 20), (1, 4), backend=backend)
+    else:
+        results = transfer_cases.loopback_matrix(backend=backend)
+    rows = [Row("transfer", f"{backend} {r.chunk_bytes >> 10} KiB chunks x {r.streams} streams", r.engine_gbps,
+                "raw socket", r.raw_gbps, "GB/s") for r in results]
+    return CaseOutput({"backend": backend, "points": [r.as_dict() for r in results]},
+                      transfer_cases.format_loopback(results), rows)
+
+
+def _need_wan() -> None:
+    from .testing.wan import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        raise Skipped(reason)
+
+
+def _in_fresh_process(fn: Callable, *args, **kwargs):
+    """Runs ``fn`` in a newly spawned interpreter and returns its (picklable) result.
+
+    The WAN cases fork helpers into namespaces, which needs a process that can fork
+    safely; by then this one has run OpenMP regions and transfer engines. A crash
+    there (reported with a faulthandler traceback) fails only that case."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_with_faulthandler, fn, args, kwargs).result()
+
+
+def _with_faulthandler(fn: Callable, args: tuple, kwargs: dict):
+    import faulthandler
+
+    faulthandler.enable()
+    return fn(*args, **kwargs)
+
+
+def case_wan(quick: bool, backend: str) -> CaseOutput:
+    _need_wan()
+    if backend != "tcp":
+        raise Skipped("the WAN path is tcp")
+    from .benchmarks import wan_cases
+
+    if quick:
+        r = _in_fresh_process(transfer_cases.wan_case, rate="200mbit", delay_ms=10, nbytes=64 << 20, probes=10)
+    else:
+        r = _in_fresh_process(transfer_cases.wan_case, rate="1gbit", delay_ms=25)
+    rate = "200mbit" if quick else "1gbit"
+    tcp = _in_fresh_process(wan_cases.bulk_tcp, rate, r.rtt_ms / 2, seconds=3.0 if quick else 6.0)
+    rows = [Row("wan", f"engine goodput {r.rate_bps / 1e9:.1f} Gbit/s RTT {r.rtt_ms:.0f} ms", r.goodput_gbps,
+                "line rate", r.rate_bps / 1e9, "Gbit/s"),
+            Row("wan", "plain TCP stream, steady state", tcp.steady_gbps, "line rate", r.rate_bps / 1e9, "Gbit/s"),
+            Row("wan", "priority msg one-way, under bulk", r.loaded_latency_ms, "idle link", r.idle_latency_ms, "ms"),
+            Row("wan", "priority msg one-way, under paced bulk", r.paced_latency_ms, "idle link", r.idle_latency_ms,
+                "ms")]
+    return CaseOutput({"engine": r.as_dict(), "plain_tcp": tcp.as_dict()},
+                      transfer_cases.format_wan(r) + f"\nplain TCP stream: {tcp.steady_gbps:.3f} Gbit/s steady "
+                      f"= {tcp.ratio:.3f}x line rate", rows)
+
+
+def case_handoff(quick: bool, backend: str) -> CaseOutput:
+    _need_wan()
+    # Full: each model under background bulk (the report's setting), then on an idle link
+    # as the control that separates the load's effect from the paths' own cost.
+    runs = [("embedded", True, 50)] if quick else [
+        (m, bulk, 100 if bulk else 50) for bulk in (True, False) for m in handoff_cases.MODELS]
+    results = [_in_fresh_process(handoff_cases.handoff_case, m, trials=n, background_bulk=bulk)
+               for m, bulk, n in runs]
+    rows = []
+    for r in results:
+        a, b = r.kv.summary, r.ids.summary
+        load = "bulk" if r.background_bulk else "idle"
+        for key, unit in (("payload_bytes", "B"), ("mean_ms", "ms"), ("p99_ms", "ms"), ("max_ms", "ms"),
+                          ("std_ms", "ms")):
+            rows.append(Row("handoff", f"{r.model}, {load}: token ids {key.replace('_ms', '').replace('_bytes', '')}",
+                            b[key], "KV", a[key], unit))
+    return CaseOutput({"models": [r.as_dict() for r in results], "report": handoff_cases.REPORT},
+                      "\n".join(handoff_cases.format_handoff(r) for r in results), rows)
+
+
+def case_extend(quick: bool, backend: str) -> CaseOutput:
+    tokens = (1, 8, 64, 512) if quick else extend_cases.TOKENS
+    results = extend_cases.extend_sweep(tokens, repeats=1 if quick else 3)
+    rows = [Row("extend", f"extend {r.new_tokens} tokens", r.extend_s * 1000, f"{r.new_tokens} decode steps",
+                r.decode_steps_s * 1000, "ms") for r in results]
+    return CaseOutput({"points": [r.as_dict() for r in results]}, extend_cases.format_extend(results), rows)
+
+
+def case_radix(quick: bool, backend: str) -> CaseOutput:
+    results = [radix_cases.run_case(200 if quick else 2000, page) for page in ((16,) if quick else (16, 64))]
+    rows = []
+    for r in results:
+        rows.append(Row("radix", f"match, page {r.page_size}", r.radix_match_ops_s, "hash chain",
+                        r.chain_match_ops_s, "ops/s"))
+        rows.append(Row("radix", f"insert, page {r.page_size}", r.radix_insert_ops_s, "hash chain",
+                        r.chain_insert_ops_s, "ops/s"))
+    return CaseOutput({"points": [r.as_dict() for r in results]}, "\n".join(r.table() for r in results), rows)
+
+
+RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {
+    "pack": case_pack, "transfer": case_transfer, "wan": case_wan, "handoff": case_handoff,
+    "extend": case_extend, "radix": case_radix,
+}
+
+
+# ---- output -------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    """pddcore.info.collect() plus the CPU model and the kernel."""
+    from .info import collect
+
+    facts = collect()
+    facts["cpu_model"] = _cpu_model()
+    facts["platform"] = platform.platform()
+    facts["usable_cpus"] = len(os.sched_getaffinity(0))
+    return facts
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def format_rows(rows: list[Row]) -> str:
+    lines = [f"{'case':<9}{'measurement':<46}{'value':>12} {'unit':<7}{'baseline':>12}  {'(what)':<18}{'ratio':>9}"]
+    for r in rows:
+        lines.append(f"{r.case:<9}{r.what[:45]:<46}{r.value:>12.4g} {r.unit:<7}{r.baseline:>12.4g}  "
+                     f"{r.baseline_name[:17]:<18}{r.ratio:>8.3g}x")
+    return "\n".join(lines)
+
+
+def write_plots(cases: dict, out_dir: str) -> list[str]:
+    """One PNG per case that has a curve or a distribution; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name):
+        path = os.path.join(out_dir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    if "points" in cases.get("pack", {}):
+        pts = cases["pack"]["points"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for threads in sorted({p["threads"] for p in pts}):
+            sel = [p for p in pts if p["threads"] == threads]
+            x = [p["page_bytes"] / 1024 for p in sel]
+            ax.plot(x, [p["pack_gbps"] for p in sel], "o-", label=f"pack, {threads} thr")
+            ax.plot(x, [p["unpack_gbps"] for p in sel], "s--", label=f"unpack, {threads} thr")
+            ax.plot(x, [p["copy_gbps"] for p in sel], "k:", marker="x", label=f"copy_ baseline, {threads} thr")
+        ax.set(xscale="log", xlabel="page size (KiB)", ylabel="GB/s", title="pack / unpack vs contiguous copy")
+        ax.legend(fontsize=7)
+        save(fig, "pack.png")
+
+    if "points" in cases.get("transfer", {}):
+        pts = cases["transfer"]["points"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for streams in sorted({p["streams"] for p in pts}):
+            sel = sorted((p for p in pts if p["streams"] == streams), key=lambda p: p["chunk_bytes"])
+            x = [p["chunk_bytes"] / 1024 for p in sel]
+            line, = ax.plot(x, [p["engine_gbps"] for p in sel], "o-", label=f"engine, {streams} streams")
+            ax.plot(x, [p["raw_gbps"] for p in sel], "x:", color=line.get_color(), label=f"raw socket, {streams}")
+        ax.set(xscale="log", xlabel="chunk size (KiB)", ylabel="GB/s",
+               title=f"TransferEngine ({cases['transfer']['backend']}) vs raw sockets, loopback")
+        ax.legend(fontsize=7)
+        save(fig, "transfer.png")
+
+    if "models" in cases.get("handoff", {}):
+        models = cases["handoff"]["models"]
+        report = cases["handoff"]["report"]
+        cols = min(2, len(models))
+        rows_ = -(-len(models) // cols)
+        fig, axes = plt.subplots(rows_, cols, figsize=(6 * cols, 4 * rows_), squeeze=False)
+        for ax, m in zip(axes.flat, models):
+            for key, label, color in (("kv", "(a) KV: pack + write + unpack", "tab:red"),
+                                      ("ids", "(b) token ids + extend", "tab:blue")):
+                s = sorted(m[key]["samples_ms"])
+                ax.step(s, [(i + 1) / len(s) for i in range(len(s))], where="post", color=color,
+                        label=f"{label} ({m[key]['payload_bytes'] / 1024:.1f} KB)")
+                ax.axvline(report[key]["mean_ms"], color=color, ls=":", lw=1, label=f"report mean {key}")
+            load = "background bulk" if m["background_bulk"] else "idle link"
+            ax.set(xlabel="handoff latency (ms)", ylabel="fraction of trials",
+                   title=f"'{m['model']}' model, {load}, {m['kv']['trials']} trials each", xscale="log")
+            ax.legend(fontsize=7, loc="lower right")
+        for ax in axes.flat[len(models):]:
+            ax.axis("off")
+        save(fig, "handoff.png")
+
+    if "points" in cases.get("extend", {}):
+        pts = cases["extend"]["points"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        x = [p["new_tokens"] for p in pts]
+        ax.plot(x, [1000 * p["extend_s"] for p in pts], "o-", label="one extend pass")
+        ax.plot(x, [1000 * p["decode_steps_s"] for p in pts], "x:", label="N decode steps (baseline)")
+        ax.set(xscale="log", yscale="log", xlabel="handed-off tokens N", ylabel="ms",
+               title="recompute on the embedded model (CPU, float64)")
+        ax.legend()
+        save(fig, "extend.png")
+    return written
+
+
+# ---- command ----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes and fewer points (about a minute)")
+    parser.add_argument("--out", default="pddcore-bench", help="folder for results.json and the plots")
+    parser.add_argument("--backend", choices=("tcp", "rdma"), default="tcp", help="transfer backend for 'transfer'")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    selected = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in selected if c not in RUNNERS]
+    if unknown or not selected:
+        raise SystemExit(f"pddcore bench: unknown or no cases {unknown}; choose from {','.join(CASES)}")
+    os.makedirs(args.out, exist_ok=True)
+    started = dt.datetime.now(dt.timezone.utc)
+    cases: dict[str, dict] = {}
+    texts: list[str] = []
+    rows: list[Row] = []
+    failed = False
+    with tqdm(selected, unit="case", desc="pddcore bench") as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            try:
+                out = RUNNERS[name](args.quick, args.backend)
+            except Skipped as e:
+                cases[name] = {"skipped": str(e)}
+                texts.append(f"[{name}] skipped: {e}")
+                continue
+            except Exception as e:  # one broken case must not hide the others' results
+                failed = True
+                cases[name] = {"error": repr(e), "traceback": traceback.format_exc()}
+                texts.append(f"[{name}] FAILED: {e!r}")
+                continue
+            cases[name] = out.data
+            texts.append(f"[{name}]\n{out.text}")
+            rows.extend(out.rows)
+    try:
+        plots = write_plots(cases, args.out)
+    except ImportError as e:
+        plots = []
+        texts.append(f"[plots] not written: {e} (pip install 'pddcore[bench]' for matplotlib)")
+    result = {
+        "date": started.isoformat(timespec="seconds"),
+        "seconds": (dt.datetime.now(dt.timezone.utc) - started).total_seconds(),
+        "quick": args.quick, "backend": args.backend, "cases_selected": selected,
+        "machine": machine_info(),
+        "table": [r.as_dict() for r in rows],
+        "cases": cases,
+        "plots": [os.path.basename(p) for p in plots],
+    }
+    path = os.path.join(args.out, "results.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    m = result["machine"]
+    print(f"\npddcore {m['pddcore']} bench, {result['date']}, {m['cpu_model']} ({m['usable_cpus']} usable CPUs), "
+          f"torch {m['torch']}, CUDA {'yes' if m['cuda_usable'] else 'no'}, {result['seconds']:.0f} s")
+    print("\n\n".join(texts))
+    if rows:
+        print("\nsummary (ratio = value / baseline, both measured in this run)\n" + format_rows(rows))
+    print(f"\nwrote {path}" + "".join(f"\nwrote {p}" for p in plots))
+    return 1 if failed else 0
