@@ -477,7 +477,7 @@ class PDDKVReceiver(BaseKVReceiver):
             return
         self._next_try = now + _BOOTSTRAP_RETRY_S
         try:
-            table = _http("GET", f"http://{self.bootstrap_addr}/route")
+            table = _http("GET", f"http://{self.bootstrap_addr}/route", timeout=1.0)
         except (urllib.error.URLError, OSError, ValueError):
             return
         if not table.get("ranks") or len(table["ranks"]) < table["tp_size"]:
