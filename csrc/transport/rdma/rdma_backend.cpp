@@ -565,8 +565,13 @@ void RdmaBackend::serve(const Socket& socket, const PeerInfo&) {
       auto [type, payload] = recv_frame(socket);
       if (type == setup::Type::kQpRequest) {
         const std::vector<setup::QpAttributes> remote = setup::decode_qps(payload);
-        if (remote.empty()) {
-          send_frame(socket, setup::Type::kError, "malformed QP request");
+        size_t held;
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          held = target.qps.size();
+        }
+        if (remote.empty() || held + remote.size() > kMaxTargetQps) {
+          send_frame(socket, setup::Type::kError, remote.empty() ? "malformed QP request" : "too many QPs");
           continue;
         }
         std::vector<std::unique_ptr<QueuePair>> qps;
@@ -632,13 +637,17 @@ void RdmaBackend::serve(const Socket& socket, const PeerInfo&) {
   } catch (const std::exception&) {
     // The peer closed the setup connection (or the engine is closing).
   }
+  // The QPs go before the target leaves targets_: close() waits for that, then frees the device.
   std::vector<std::unique_ptr<QueuePair>> qps;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    targets_.erase(std::find(targets_.begin(), targets_.end(), &target));
     qps.swap(target.qps);
   }
   qps.clear();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    targets_.erase(std::find(targets_.begin(), targets_.end(), &target));
+  }
   targets_cv_.notify_all();
 }
 

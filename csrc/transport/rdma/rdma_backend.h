@@ -61,6 +61,7 @@ class RdmaBackend final : public transfer::TransferBackend {
   static constexpr uint32_t kSendDepth = 512;   // send-queue slots per QP
   static constexpr uint32_t kSignalEvery = 16;  // at least every 16th WR is signaled
   static constexpr uint32_t kRecvDepth = kSendDepth;  // receives for immediates per target QP
+  static constexpr size_t kMaxTargetQps = 4 * setup::kMaxQps;  // per setup connection (repairs included)
 
  private:
   struct Posted {
