@@ -288,7 +288,7 @@ def test_calibration_regression():
 
 
 def test_goodput_search_brackets_the_sla():
-    trace = _stress_trace(n=250, seed=9)
+    trace = _stress_trace(n=600, seed=9)
     cfg = calibration_configs(wan_gbps=10.0)["cross-DC PD"]
     base = (len(trace) - 1) / (trace[-1].arrival_s - trace[0].arrival_s)
     rate, summary = max_goodput(cfg, trace, iterations=4)
@@ -297,6 +297,8 @@ def test_goodput_search_brackets_the_sla():
     doubled = run_trace(cfg, [Request(r.id, r.arrival_s / (2 * rate / base), r.prompt_tokens, r.cached_tokens,
                                       r.output_tokens, r.session) for r in trace])
     assert doubled["sla_attainment"] < 0.9
+    with pytest.raises(ValueError, match="use more requests"):
+        max_goodput(cfg, trace[:20])
 
 
 # ---- workload and traces ----------------------------------------------------------------------------

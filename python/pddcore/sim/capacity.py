@@ -27,11 +27,16 @@ def run_trace(config: ClusterConfig, requests: Sequence[Request]) -> dict[str, A
 
 
 def max_goodput(config: ClusterConfig, requests: Sequence[Request], attainment: float = 0.9,
-                iterations: int = 6, low: float = 0.125, high: float = 16.0) -> tuple[float, dict[str, Any]]:
+                iterations: int = 6, low: float = 0.125, high: float = 16.0,
+                min_span_slos: float = 3.0) -> tuple[float, dict[str, Any]]:
     """Geometric bisection over the rate factor in [``low``, ``high``] x the trace's
     rate. Returns the highest passing rate (req/s) and its summary; 0 and the run at
-    ``low`` when even that fails. When ``high`` passes, the rate is a lower bound and
-    the summary says ``"goodput_capped": True``."""
+    ``low`` when even that fails. When the top rate passes, the rate is a lower bound
+    and the summary says ``"goodput_capped": True``.
+
+    A rate is only tried while the compressed trace still spans at least
+    ``min_span_slos`` x the TTFT SLO: a burst that ends before queues can build would
+    otherwise pass as goodput a rate the cluster cannot sustain."""
     if not 0 < attainment <= 1:
         raise ValueError(f"attainment must be in (0, 1], got {attainment!r}")
     requests = list(requests)
@@ -39,6 +44,10 @@ def max_goodput(config: ClusterConfig, requests: Sequence[Request], attainment: 
     if len(requests) < 2 or span <= 0:
         raise ValueError("a goodput search needs at least two requests at different times")
     base_rate = (len(requests) - 1) / span
+    high = min(high, span / (min_span_slos * config.ttft_slo_s))
+    if high <= low:
+        raise ValueError(f"the trace spans {span:.0f} s; a goodput search from {low} x its rate needs "
+                         f"{low * min_span_slos * config.ttft_slo_s:.0f} s or more (use more requests)")
 
     def attempt(factor: float) -> dict[str, Any]:
         return run_trace(config, scale_rate(requests, factor))

@@ -61,7 +61,3 @@ class EventLoop:
             self.now = time
             self.events_run += 1
             handle.callback(*handle.args)
-
-    @property
-    def pending(self) -> int:
-        return sum(1 for _, _, h in self._heap if not h.cancelled)

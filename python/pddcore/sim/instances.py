@@ -222,7 +222,6 @@ class DecodeInstance:
         self.batch = 0
         self._ctx_offset = 0  # sum over running of (base context - start step)
         self.busy_s = 0.0
-        self.steps_run = 0
         self._finish: list[tuple[int, int, _Slot]] = []
         self._slots: dict[Any, _Slot] = {}
         self._joining: list[tuple] = []
@@ -235,10 +234,6 @@ class DecodeInstance:
         self._seg_extend_s = 0.0
         self._planned_s = 0.0
         self._pending_leave: list[_Slot] = []
-
-    @property
-    def running(self) -> int:
-        return self.batch
 
     @property
     def context_tokens(self) -> int:
@@ -357,7 +352,6 @@ class DecodeInstance:
 
     def _end_segment(self) -> None:
         steps = self._seg_steps
-        self.steps_run += steps
         if self.batch:
             self.step += steps
         for slot in self._pending_leave:

@@ -27,14 +27,12 @@ __all__ = ["SharedLink", "LinkTransfer"]
 
 
 class LinkTransfer:
-    __slots__ = ("nbytes", "on_done", "args", "tag", "start_virtual", "started_at", "active", "cancelled",
-                 "_delay")
+    __slots__ = ("nbytes", "on_done", "args", "tag", "start_virtual", "active", "cancelled", "_delay")
 
     def __init__(self, nbytes: float, on_done: Callable[..., Any], args: tuple):
         self.nbytes, self.on_done, self.args = nbytes, on_done, args
         self.tag = 0.0
         self.start_virtual = 0.0
-        self.started_at = 0.0
         self.active = False
         self.cancelled = False
         self._delay: EventHandle | None = None
@@ -51,7 +49,6 @@ class SharedLink:
         self.loop, self.bytes_per_s, self.rtt_s, self.name = loop, float(bytes_per_s), float(rtt_s), name
         self.bytes_delivered = 0.0
         self.busy_s = 0.0
-        self.transfers_done = 0
         self._virtual = 0.0
         self._updated_at = 0.0
         self._active = 0
@@ -59,16 +56,11 @@ class SharedLink:
         self._seq = itertools.count()
         self._next: EventHandle | None = None
 
-    @property
-    def active_transfers(self) -> int:
-        return self._active
-
     def send(self, nbytes: float, on_done: Callable[..., Any], *args: Any) -> LinkTransfer:
         """Starts a transfer; ``on_done(*args)`` runs when its last byte has arrived."""
         if not nbytes >= 0:
             raise ValueError(f"{self.name}: nbytes must be >= 0, got {nbytes!r}")
         t = LinkTransfer(float(nbytes), on_done, args)
-        t.started_at = self.loop.now
         t._delay = self.loop.after(self.rtt_s, self._join, t)
         return t
 
@@ -98,7 +90,6 @@ class SharedLink:
     def _join(self, t: LinkTransfer) -> None:
         t._delay = None
         if t.nbytes == 0:
-            self.transfers_done += 1
             t.on_done(*t.args)
             return
         self._advance()
@@ -132,7 +123,6 @@ class SharedLink:
                 t.active = False
                 self._active -= 1
                 self.bytes_delivered += t.nbytes
-                self.transfers_done += 1
                 done.append(t)
         self._reschedule()
         for t in done:

@@ -53,6 +53,7 @@ def bathtub(hits: Sequence[float] = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.95)
             for name, cfg in configs.items():
                 rate, summary = max_goodput(cfg, trace, iterations=5, high=64.0)
                 rows.append({"target_hit": hit, "mean_hit": measured, "scenario": name, "goodput_rps": rate,
+                             "goodput_capped": summary.get("goodput_capped", False),
                              "bcr": bcr(rate, benefit, cfg.price_per_hour), "benefit_per_request": benefit,
                              "ttft_p90_s": summary["ttft_p90_s"], "rld_token_share": summary["rld_token_share"]})
                 bar.update()
@@ -104,10 +105,14 @@ def plot(kind: str, rows: list[dict], directory: str | os.PathLike) -> str:
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     if kind == "bathtub":
         for name in dict.fromkeys(r["scenario"] for r in rows):
-            pts = sorted((r["mean_hit"], r["bcr"]) for r in rows if r["scenario"] == name)
-            ax.plot(*zip(*pts), marker="o", label=name)
-        ax.set_xlabel("mean prefix hit rate")
-        ax.set_ylabel("BCR (billed $ per hardware $)")
+            pts = sorted((r["mean_hit"], r["bcr"], r["goodput_capped"]) for r in rows if r["scenario"] == name)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            capped = [p for p in pts if p[2]]
+            if capped:  # goodput above the search range: the BCR is a lower bound
+                ax.plot([p[0] for p in capped], [p[1] for p in capped], "o", markersize=10, mfc="none",
+                        color=line.get_color())
+        ax.set_xlabel("mean prefix hit rate (ringed: lower bound, goodput above the search range)")
+        ax.set_ylabel(r"BCR (billed \$ per hardware \$)")
         ax.set_title("Benefit-cost ratio vs prefix hit rate")
         path = os.path.join(directory, "bcr_vs_hit_rate.png")
     elif kind == "wan":
