@@ -88,6 +88,19 @@ def test_md_killed_and_malformed_handoff():
     assert resumed, "no request moved back from MD to RLD"
 
 
+def test_md_transfer_timeout_stays_on_rld():
+    """A P->MD transfer that outlives its deadline is cancelled; the request stays on RLD."""
+    scenario = agentic_trace(2, **{**SCENARIO, "turns": 2})
+    with Network(**LINK) as net:
+        result = run_demo(scenario, net, modes=("pdd",), overrides={"pdd": {"md_transfer_timeout_s": 0.2}})
+    counts = result["runs"]["pdd"]["summary"]["counts"]
+    assert counts.get("md_transfer_timeout", 0) >= 1, counts
+    assert counts.get("stayed_on_rld_after_md_timeout", 0) >= 1, counts
+    _assert_complete_and_exact(result, "pdd")
+    first = result["runs"]["pdd"]["requests"][0]
+    assert set(first["roles"]) == {"RLD"}
+
+
 def test_range_allocator_reuses_and_merges():
     ranges = RangeAllocator(1024, align=64)
     a, b, c = ranges.alloc(100), ranges.alloc(64), ranges.alloc(256)

@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         if mode not in bars:
             bars[mode] = tqdm(total=scenario.num_requests, desc=f"{LABELS[mode]:>12}", unit="req")
         bars[mode].update(done - bars[mode].n)
+        if done == scenario.num_requests:
+            bars[mode].close()
 
     with Network(args.bandwidth * 1e6, args.delay_ms, args.jitter_ms, force_relay=args.relay) as network:
         print(f"pddcore {__version__} demo: {scenario.num_requests} requests of an agentic trace "

@@ -38,7 +38,9 @@ class RunConfig:
     for the router (from the model's pool layout). Fault knobs: ``kill_md_after_s``
     (SIGKILL MD that long after the deployment is ready), ``kill_md_after_tokens`` (SIGKILL
     MD once the client got that many tokens from it), ``md_transfer_timeout_s``,
-    ``corrupt_handoffs`` (RLD sends that many handoff messages malformed first)."""
+    ``corrupt_handoffs`` (RLD sends that many handoff messages malformed first).
+    ``rld_tpot_s`` prices an RLD token as a production RLD slot costs (the router's
+    default), not at this CPU's ~10 ms: RLD capacity is what PDD keeps small."""
 
     mode: str
     kv_bytes_per_token: float
@@ -47,7 +49,7 @@ class RunConfig:
     pool_pages: int = 1536
     staging_bytes: int = 48 << 20
     ttft_slo_s: float = 0.4
-    rld_tpot_s: float = 0.015
+    rld_tpot_s: float = 0.03
     rld_capacity: int = 8
     catch_up_threshold: int = 24
     kill_md_after_s: float | None = None

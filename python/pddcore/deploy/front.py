@@ -230,12 +230,12 @@ class Front:
         self.send("client", "done", req.rid, by)
         self.send("ctl", "progress", sum(r.done for r in self.requests.values()))
 
-    def on_xfer(self, _: str, rid: str, target: str, status: str, nbytes: int, seconds: float) -> None:
+    def on_xfer(self, _: str, rid: str, target: str, status: str, nbytes: int, link: dict) -> None:
         if target == "md":
             self.wan_bytes += nbytes
             self.counts[f"md_transfer_{status}"] += 1
-            if status == "done":
-                self.estimator.observe("md", nbytes, max(seconds, 1e-6), now=time.monotonic())
+            if link:  # goodput while busy and RTT, as P's engine measured them
+                self.estimator.update_from_stats({"peers": {"md": link}}, now=time.monotonic())
         req = self.requests[rid]
         if status == "done" or status == "cancelled" or req.done or not self.md_alive:
             return

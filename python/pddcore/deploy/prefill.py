@@ -10,8 +10,9 @@ notification, delivered only after every byte was verified and applied.
 
 Front -> P: ``("peers", {"rld": descriptor hex, "md": ...})``, ``("job", dict)``,
 ``("cancel_md", rid)``, ``("staging_free", target, offset)``, ``("md_lost",)``.
-P -> front: ``("xfer", rid, target, status, bytes, seconds)`` with status ``done``,
-``failed``, ``timeout`` or ``cancelled``; ``("prefilled", rid, p_cached, seconds)``.
+P -> front: ``("xfer", rid, target, status, bytes, link)`` with status ``done``,
+``failed``, ``timeout`` or ``cancelled`` and ``link`` the engine's counters for that
+peer (``TransferEngine.stats()["peers"][...]``: bytes, busy seconds, RTT); ``("prefilled", rid, p_cached, seconds)``.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class Prefill:
         dst = None if target is None else self.wait_for(target.ranges, nbytes, name)
         if dst is None:
             self.send_ranges.free(src)
-            self.node.to_hub("xfer", rid, name, "failed", 0, 0.0)
+            self.node.to_hub("xfer", rid, name, "failed", 0, {})
             return
         pack(self.node.layout, torch.tensor(pages, dtype=torch.int64), out=self.send_buf[src:src + nbytes])
         note = wire.KvReady(rid, len(job["context"]), first_token, dst, nbytes, token, job["out_index"],
@@ -143,7 +144,7 @@ class Prefill:
             self.node.log.warning("write of %s to %s refused: %s", rid, name, e)
             self.send_ranges.free(src)
             target.quarantine.append((now + _QUARANTINE_S, dst))
-            self.node.to_hub("xfer", rid, name, "failed", 0, 0.0)
+            self.node.to_hub("xfer", rid, name, "failed", 0, {})
             return
         deadline = now + self.md_timeout_s if name == "md" and self.md_timeout_s else None
         self.sends.append(_Send(rid, name, transfer, src, dst, nbytes, now, deadline))
@@ -185,7 +186,9 @@ class Prefill:
             # the receiver never saw the notification, so its range comes back here
             self.targets[s.target].quarantine.append((now + _QUARANTINE_S, s.dst_offset))
         sent = s.nbytes if status == "done" else s.transfer.bytes_acked
-        self.node.to_hub("xfer", s.rid, s.target, status, sent, now - s.started)
+        target = self.targets.get(s.target)
+        link = self.node.engine.stats()["peers"].get(target.peer.address, {}) if target else {}
+        self.node.to_hub("xfer", s.rid, s.target, status, sent, link)
 
     def cancel_md(self, rid: str) -> None:
         self.cancelled_md.add(rid)

@@ -28,8 +28,18 @@ def _decode(job: tuple[tuple[int, ...], int]) -> list[int]:
 
 
 def reference_outputs(model_spec: dict, jobs: list[tuple[tuple[int, ...], int]], workers: int = 2) -> dict:
-    """``{(context, max_new): tokens}`` for the distinct jobs, on ``workers`` processes."""
+    """``{(context, max_new): tokens}`` for the distinct jobs, on ``workers`` processes
+    (in this process, on one thread, when there are at most 4 jobs: starting workers
+    would cost more)."""
     unique = sorted(set(jobs), key=lambda j: -len(j[0]))
+    if len(unique) <= 4 or workers <= 1:
+        threads = torch.get_num_threads()
+        model = load_model(model_spec)
+        torch.set_num_threads(1)
+        try:
+            return {job: generate(model, list(job[0]), job[1]) for job in unique}
+        finally:
+            torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
     with ctx.Pool(max(1, min(workers, len(unique))), initializer=_init, initargs=(model_spec,)) as pool:
         outputs = pool.map(_decode, unique, chunksize=1)

@@ -74,8 +74,9 @@ class RelayDecode:
         kind, body = wire.parse(payload)
         if kind == "kv":
             self.admit(body)
-        elif kind == "ready" and body in self.relays:
-            self.relays[body].md_ready = True
+        elif kind == "ready":
+            if body in self.relays:  # else: it finished here, or was handed off, meanwhile
+                self.relays[body].md_ready = True
         elif kind == "nack":
             self.node.log.warning("MD rejected a handoff message (%s); re-sending %d unconfirmed handoffs",
                                   body, len(self.unconfirmed) + len(self.relays))

@@ -41,7 +41,7 @@ class Scenario:
 
 def agentic_trace(num_requests: int = 24, *, vocab_size: int = 4096, turns: int = 6, system_tokens: int = 128,
                   document_tokens: int = 640, user_tokens: int = 16, output_tokens: int = 40,
-                  first_output_tokens: int = 96, singular_output_tokens: int = 4, stagger_s: float = 3.0,
+                  first_output_tokens: int = 128, singular_output_tokens: int = 4, stagger_s: float = 3.0,
                   think_s: float = 0.3, seed: int = 0) -> Scenario:
     if num_requests < 1 or turns < 1:
         raise ValueError(f"need at least one request and one turn, got {num_requests}, {turns}")
