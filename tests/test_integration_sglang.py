@@ -12,7 +12,8 @@ import pytest
 import torch
 
 conn = pytest.importorskip("sglang.srt.disaggregation.base.conn",
-                           reason="sglang not installed: pip install --no-deps -r tests/integrations/requirements-engines.txt")
+                           reason="sglang not installed: pip install --no-deps -r tests/integrations/requirements-engines.txt",
+                           exc_type=ImportError)
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from pddcore.integrations import sglang as pdd  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 _REASON = "vllm not installed: pip install --no-deps -r tests/integrations/requirements-engines.txt"
-pytest.importorskip("vllm.v1.core.sched.scheduler", reason=_REASON)
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason=_REASON, exc_type=ImportError)
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
