@@ -237,6 +237,24 @@ def test_every_request_and_token_accounted_for(stressed_runs):
     assert runs["same-DC PD"].wan_bytes == 0
 
 
+@pytest.mark.parametrize("changes", [{"drc": False}, {"warm_start": False}, {"max_batch": 2}])
+def test_variants_account_for_everything(changes):
+    trace = _stress_trace(n=200, seed=6)
+    for name, cfg in calibration_configs(wan_gbps=10.0, **changes).items():
+        run = ClusterSim(cfg).run(trace)
+        check_accounting(run)
+        if name != "same-DC PD" and changes.get("drc", True) is False:
+            assert run.md_lookup_pages == 0
+
+
+def test_decode_side_cache_cuts_wan_bytes():
+    trace = _stress_trace(n=200, seed=6)
+    with_drc = run_trace(calibration_configs(wan_gbps=100.0)["cross-DC PD"], trace)
+    without = run_trace(calibration_configs(wan_gbps=100.0, drc=False)["cross-DC PD"], trace)
+    assert with_drc["wan_gb"] < 0.3 * without["wan_gb"]
+    assert with_drc["md_hit_rate"] == pytest.approx(with_drc["p_hit_rate"], abs=0.03)
+
+
 def test_accounting_check_catches_a_lost_token(stressed_runs):
     _, runs = stressed_runs
     run = runs["cross-DC PD"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from .calibration import calibrate, format_table
 from .capacity import run_trace
-from .scenarios import calibration_configs, calibration_trace
+from .scenarios import CALIBRATION_WAN_GBPS, calibration_configs, calibration_trace
 from .sweeps import SWEEPS, plot
 from .workload import TraceError, read_jsonl, write_jsonl
 
@@ -27,11 +27,12 @@ _TRACE_KEYS = ("offered_rps", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p5
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sweep", choices=[*SWEEPS, "all"], help="run a parameter sweep instead of the calibration")
-    mode.add_argument("--trace", metavar="PATH", help="simulate a JSONL trace (format: pddcore.sim.workload)")
+    mode.add_argument("--trace", metavar="PATH",
+                      help="simulate a JSONL trace on the calibration deployments (format: pddcore.sim.workload)")
     mode.add_argument("--write-trace", metavar="PATH", help="write the synthetic calibration trace and exit")
     parser.add_argument("--requests", type=int, default=None, help="requests in the synthetic trace")
     parser.add_argument("--seed", type=int, default=1, help="seed of the synthetic trace (default 1)")
-    parser.add_argument("--wan-gbps", type=float, default=None, help="WAN bandwidth (default 25 Gbit/s)")
+    parser.add_argument("--wan-gbps", type=float, default=None, help=f"WAN bandwidth (default {CALIBRATION_WAN_GBPS:g} Gbit/s)")
     parser.add_argument("--wan-rtt-ms", type=float, default=None, help="WAN round trip (default 20 ms)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="DIR", help="write PNG figures into DIR")
