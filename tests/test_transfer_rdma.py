@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -19,10 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pddcore import _C
 from pddcore.info import collect
 from pddcore.transfer import TransferEngine, TransferError
+
+from test_transfer_tcp import python_handshake
 
 pytestmark = pytest.mark.skipif(not _C.rdma_compiled(), reason="rdma backend compiled out (no ibverbs headers)")
 
@@ -259,3 +264,67 @@ def test_repeated_open_close_leaks_no_verbs_objects_or_threads():
         assert all(v == 0 for v in live_objects().values()), live_objects()
     assert len(os.listdir("/proc/self/task")) == threads
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+# ---- the setup protocol under garbage -------------------------------------------------------
+
+_SETUP = struct.Struct("<IBBHI")  # magic "PDDR", type, 0, 0, payload length
+_QP_ATTRS = struct.Struct("<HBBII16s")  # lid, mtu, has_gid, qpn, psn, gid
+RDMA_SETUP_KIND = 2
+
+
+def setup_frame(kind: int, payload: bytes) -> bytes:
+    return _SETUP.pack(0x52444450, kind, 0, 0, len(payload)) + payload
+
+
+qp_request = st.builds(
+    lambda attrs: setup_frame(1, struct.pack("<I", len(attrs)) + b"".join(_QP_ATTRS.pack(*a) for a in attrs)),
+    st.lists(st.tuples(st.integers(0, 65535), st.integers(0, 7), st.integers(0, 1), st.integers(0, 2**32 - 1),
+                       st.integers(0, 2**32 - 1), st.binary(min_size=16, max_size=16)), max_size=20))
+setup_garbage = st.lists(st.one_of(
+    st.binary(max_size=120),
+    qp_request,
+    st.builds(lambda rid, off, n: setup_frame(3, struct.pack("<QQQ", rid, off, n)),
+              st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
+    st.builds(lambda qpns: setup_frame(6, struct.pack(f"<I{len(qpns)}I", len(qpns), *qpns)),
+              st.lists(st.integers(0, 2**32 - 1), max_size=5)),
+    st.builds(lambda kind, n: _SETUP.pack(0x52444450, kind, 0, 0, n), st.integers(0, 255), st.integers(0, 2**32 - 1)),
+), max_size=4)
+
+
+@pytest.fixture(scope="module")
+def rdma_target():
+    with emulated() as engine:
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        yield engine, engine.register(buf), buf
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=setup_garbage)
+def test_garbage_on_setup_connections_does_not_disturb_a_good_peer(rdma_target, frames):
+    engine, region, buf = rdma_target
+    try:
+        with python_handshake(engine.address, TOKEN, kind=RDMA_SETUP_KIND) as sock:
+            sock.settimeout(2)
+            for frame in frames:
+                sock.sendall(frame)
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(4096):  # replies until the engine closes its side
+                pass
+    except OSError:
+        pass  # the engine may close on us first
+    assert eventually_no_qps()  # QPs made for the intruder went with its connection
+    with emulated() as good:
+        data = random_tensor(1024, 9)
+        src = good.register(data)
+        good.write(good.connect(engine.address), src, 0, region.descriptor(), 2048, 1024).wait(30)
+        assert torch.equal(buf[2048:3072], data)
+    assert eventually_no_qps()
+
+
+def eventually_no_qps(within_s: float = 10.0) -> bool:
+    """The target destroys a connection's QPs when it sees the connection close."""
+    deadline = time.monotonic() + within_s
+    while _C.rdma_emulator_counters()["qps"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _C.rdma_emulator_counters()["qps"] == 0
