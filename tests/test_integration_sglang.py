@@ -246,6 +246,40 @@ def test_decode_times_out_without_prefill():
         mgr.close()
 
 
+def test_failed_write_fails_both_sides():
+    """The decode staging region disappears before prefill writes: the engine rejects the write,
+    the sender fails and tells the receiver; neither side applies anything."""
+    port = _free_port()
+    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
+    src = Pool(2, 0, 2, torch.randn(LAYERS, 2, POOL_PAGES * PAGE, 2, HEAD_DIM))
+    dst = Pool(2, 0, 2)
+    prefill = pdd.PDDKVManager(src.args, "prefill", _server_args(port))
+    decode = pdd.PDDKVManager(dst.args, "decode", _server_args(_free_port()))
+    try:
+        sender = pdd.PDDKVSender(prefill, f"127.0.0.1:{port}", 21)
+        receiver = pdd.PDDKVReceiver(decode, f"127.0.0.1:{port}", 21, timeout_s=30)
+        assert receiver.poll() == KVPoll.WaitingForInput
+        receiver.send_metadata(np.array([1, 2], dtype=np.int32))
+        deadline = time.monotonic() + 30
+        while sender.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+            time.sleep(0.005)
+        decode.engine.unregister(receiver._region)  # the fault: the destination is gone
+        sender.init(2)
+        sender.send(np.array([3, 4], dtype=np.int32))
+        while (sender.poll(), receiver.poll()) != (KVPoll.Failed, KVPoll.Failed):
+            assert time.monotonic() < deadline, (sender.poll(), receiver.poll())
+            time.sleep(0.005)
+        with pytest.raises(pdd.PDDTransferError, match="transfer failed"):
+            sender.failure_exception()
+        with pytest.raises(pdd.PDDTransferError, match="transfer failed"):
+            receiver.failure_exception()
+        assert torch.count_nonzero(torch.stack(dst.k + dst.v)) == 0
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
+
+
 def test_decode_rejects_a_prefill_pool_of_another_shape():
     port = _free_port()
     server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
