@@ -156,7 +156,7 @@ class AgenticConfig:
     output_median: int = 350
     output_sigma: float = 0.9
     max_output: int = 4096
-    session_turn_s: float = 30.0
+    session_turn_s: float = 60.0
 
     def __post_init__(self):
         for name in ("rate", "burstiness", "prompt_sigma", "output_sigma", "session_turn_s"):
