@@ -17,7 +17,7 @@ from typing import Any
 from .calibration import calibrate, format_table
 from .capacity import run_trace
 from .scenarios import CALIBRATION_WAN_GBPS, calibration_configs, calibration_trace
-from .sweeps import SWEEPS, plot
+from .sweeps import SWEEPS, plot, pyplot
 from .workload import TraceError, read_jsonl, write_jsonl
 
 _TRACE_KEYS = ("offered_rps", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s",
@@ -49,11 +49,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _plot_ttft_cdf(runs: dict[str, Any], directory: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     os.makedirs(directory, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for name, ttfts in runs.items():

@@ -29,7 +29,7 @@ from .scenarios import CALIBRATION_WORKLOAD, calibration_configs
 from .specs import HARDWARE
 from .workload import AgenticConfig, agentic
 
-__all__ = ["bathtub", "wan_demand", "rld_count", "plot", "SWEEPS"]
+__all__ = ["bathtub", "wan_demand", "rld_count", "plot", "pyplot", "SWEEPS"]
 
 
 def _workload(**changes: Any) -> AgenticConfig:
@@ -94,12 +94,21 @@ def rld_count(counts: Iterable[int] = (0, 1, 2, 3, 4, 6, 8), num_requests: int =
 SWEEPS = {"bathtub": bathtub, "wan": wan_demand, "rld": rld_count}
 
 
-def plot(kind: str, rows: list[dict], directory: str | os.PathLike) -> str:
-    """Draws one sweep's rows as a PNG in ``directory``; returns the file's path."""
-    import matplotlib
-
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or a clear error without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("plots need matplotlib: pip install 'pddcore[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(kind: str, rows: list[dict], directory: str | os.PathLike) -> str:
+    """Draws one sweep's rows as a PNG in ``directory``; returns the file's path."""
+    plt = pyplot()
 
     os.makedirs(directory, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
