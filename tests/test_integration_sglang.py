@@ -234,7 +234,9 @@ def test_decode_times_out_without_prefill():
     pool = Pool(2, 0, 2)
     mgr = pdd.PDDKVManager(pool.args, "decode", _server_args(_free_port()))
     try:
-        receiver = pdd.PDDKVReceiver(mgr, f"127.0.0.1:{_free_port()}", 5, timeout_s=0.2)
+        nobody = f"127.0.0.1:{_free_port()}"
+        assert not mgr.try_ensure_parallel_info(nobody) and nobody not in mgr.prefill_info_table
+        receiver = pdd.PDDKVReceiver(mgr, nobody, 5, timeout_s=0.2)
         assert receiver.poll() == KVPoll.Bootstrapping
         with pytest.raises(RuntimeError, match="need WaitingForInput"):
             receiver.send_metadata(np.array([1], dtype=np.int32))
@@ -286,6 +288,9 @@ def test_decode_rejects_a_prefill_pool_of_another_shape():
     prefill = pdd.PDDKVManager(Pool(2, 0, 2).args, "prefill", _server_args(port))
     decode = pdd.PDDKVManager(Pool(1, 0, 1).args, "decode", _server_args(_free_port()))  # 1 KV head, not 2
     try:
+        assert decode.try_ensure_parallel_info(f"127.0.0.1:{port}")  # what SGLang's decode queue asks first
+        info = decode.prefill_info_table[f"127.0.0.1:{port}"]
+        assert (info.tp_size, info.total_kv_heads, info.dp_size, info.ranks) == (1, 2, 1, {0: prefill.engine.address})
         receiver = pdd.PDDKVReceiver(decode, f"127.0.0.1:{port}", 11, timeout_s=30)
         assert receiver.poll() == KVPoll.Failed
         with pytest.raises(pdd.PDDTransferError, match="prefill has 2 KV heads, decode 1"):

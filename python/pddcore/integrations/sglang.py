@@ -59,7 +59,7 @@ from ..transfer import Peer, Region, Transfer, TransferEngine
 from ._heads import destinations_of, head_sources
 
 __all__ = ["PDDKVManager", "PDDKVSender", "PDDKVReceiver", "PDDKVBootstrapServer", "PDDTransferError",
-           "install", "BACKEND_NAME"]
+           "PrefillInfo", "install", "BACKEND_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,24 @@ class _RoomInbox:
     last_chunk: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PrefillInfo:
+    """A prefill server's parallel layout as its ranks registered it at the bootstrap server;
+    the entries of ``PDDKVManager.prefill_info_table`` that SGLang's decode queue reads."""
+
+    tp_size: int
+    total_kv_heads: int
+    is_mla: bool
+    page_size: int
+    ranks: dict[int, str]
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+
+    @property
+    def attn_tp_size(self) -> int:
+        return self.tp_size
+
+
 class PDDKVManager(BaseKVManager):
     """One per (prefill or decode) scheduler rank: the KV pool's :class:`KVLayout`, a
     :class:`TransferEngine`, and a thread that routes incoming messages to rooms.
@@ -222,6 +240,7 @@ class PDDKVManager(BaseKVManager):
                                  for p, n in zip(args.aux_data_ptrs, args.aux_data_lens)]
         self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._rooms: dict[int, _RoomInbox] = {}
         self._receivers: dict[int, PDDKVReceiver] = {}
         self._stop = threading.Event()
@@ -237,6 +256,26 @@ class PDDKVManager(BaseKVManager):
         _http("PUT", f"http://{self.host}:{port}/route", {
             "rank": self.rank, "address": self.engine.address, "tp_size": self.tp_size,
             "total_kv_heads": self.total_kv_heads, "is_mla": self.is_mla, "page_size": self.kv_args.page_size})
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode side: fetches the prefill layout behind ``bootstrap_addr`` ("host:port") into
+        :attr:`prefill_info_table`; False while not every prefill rank has registered."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            table = _http("GET", f"http://{bootstrap_addr}/route", timeout=1.0)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        if not table.get("ranks") or len(table["ranks"]) < table["tp_size"]:
+            return False
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(
+            table["tp_size"], table["total_kv_heads"], table["is_mla"], table["page_size"],
+            {int(r): a for r, a in table["ranks"].items()})
+        return True
+
+    def clear_deferred_abort_state(self, room: int) -> None:
+        """SGLang calls this when it releases a failed request; nothing is deferred here."""
+        self.drop_room(room)
 
     # -- plumbing ------------------------------------------------------------------------------
     def peer(self, address: str) -> Peer:
@@ -476,31 +515,26 @@ class PDDKVReceiver(BaseKVReceiver):
         if now < self._next_try:
             return
         self._next_try = now + _BOOTSTRAP_RETRY_S
-        try:
-            table = _http("GET", f"http://{self.bootstrap_addr}/route", timeout=1.0)
-        except (urllib.error.URLError, OSError, ValueError):
-            return
-        if not table.get("ranks") or len(table["ranks"]) < table["tp_size"]:
-            return
         mgr = self.mgr
-        if table["is_mla"] != mgr.is_mla or table["page_size"] != mgr.kv_args.page_size:
-            return self._fail(f"prefill pool (mla={table['is_mla']}, page_size={table['page_size']}) does not match "
+        if not mgr.try_ensure_parallel_info(self.bootstrap_addr):
+            return
+        info = mgr.prefill_info_table[self.bootstrap_addr]
+        if info.is_mla != mgr.is_mla or info.page_size != mgr.kv_args.page_size:
+            return self._fail(f"prefill pool (mla={info.is_mla}, page_size={info.page_size}) does not match "
                               f"decode pool (mla={mgr.is_mla}, page_size={mgr.kv_args.page_size})", tell_peers=False)
         if mgr.is_mla:
-            if table["tp_size"] != mgr.tp_size:
+            if info.tp_size != mgr.tp_size:
                 return self._fail("MLA with differing prefill/decode TP sizes is not supported", tell_peers=False)
             self._sources = [(mgr.rank, None, None)]
         else:
-            if table["total_kv_heads"] != mgr.total_kv_heads:
-                return self._fail(f"prefill has {table['total_kv_heads']} KV heads, decode {mgr.total_kv_heads}",
+            if info.total_kv_heads != mgr.total_kv_heads:
+                return self._fail(f"prefill has {info.total_kv_heads} KV heads, decode {mgr.total_kv_heads}",
                                   tell_peers=False)
-            full = (0, mgr.total_kv_heads // mgr.tp_size)
-            self._sources = []
-            for s in head_sources(mgr.total_kv_heads, table["tp_size"], mgr.tp_size, mgr.rank):
-                per_src = mgr.total_kv_heads // table["tp_size"]
-                self._sources.append((s.src_rank, None if s.src_heads == (0, per_src) else s.src_heads,
-                                      None if s.dst_heads == full else s.dst_heads))
-        self._addresses = {int(r): a for r, a in table["ranks"].items()}
+            full, per_src = (0, mgr.total_kv_heads // mgr.tp_size), mgr.total_kv_heads // info.tp_size
+            self._sources = [(s.src_rank, None if s.src_heads == (0, per_src) else s.src_heads,
+                              None if s.dst_heads == full else s.dst_heads)
+                             for s in head_sources(mgr.total_kv_heads, info.tp_size, mgr.tp_size, mgr.rank)]
+        self._addresses = info.ranks
         self._state = KVPoll.WaitingForInput
 
     def init(self, prefill_dp_rank: int = 0) -> None:
