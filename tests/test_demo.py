@@ -25,6 +25,20 @@ def _namespaces():
     return {line.split()[0] for line in out.stdout.splitlines() if line.startswith(f"pddwan-{os.getpid()}x")}
 
 
+def _children():
+    """Processes this test process started that still run (a role left behind)."""
+    me, out = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
 def _assert_complete_and_exact(result, mode):
     correctness = result["correctness"][mode]
     assert correctness["pass"], correctness
@@ -40,8 +54,25 @@ def demo():
     with Network(**LINK) as net:
         result = run_demo(agentic_trace(4, **SCENARIO), net, modes=("pd", "pdd"))
     yield result
+    assert _children() == [], "the demo left processes behind"
     if os.geteuid() == 0:
         assert _namespaces() == before, "the demo left network namespaces behind"
+
+
+def test_failed_start_is_reported_and_cleaned_up(tmp_path):
+    """A role that cannot start (no model at the path) fails the run with its log, and
+    nothing is left running."""
+    from pddcore.deploy import DeploymentError, RunConfig, run_deployment
+
+    before = _namespaces() if os.geteuid() == 0 else set()
+    missing = str(tmp_path / "no-such-model")
+    with Network(**LINK) as net:
+        with pytest.raises(DeploymentError, match="no-such-model"):
+            run_deployment(RunConfig("pd", kv_bytes_per_token=8192, model={"path": missing}),
+                           agentic_trace(1, **SCENARIO), net)
+    assert _children() == []
+    if os.geteuid() == 0:
+        assert _namespaces() == before
 
 
 def test_outputs_identical_to_reference(demo):
