@@ -119,6 +119,10 @@ class RadixCache:
         self._owned: set[int] = set()
         self._locked_pages = 0
         self._evictable_leaves: set[RadixNode] = set()  # unlocked, childless, not a root
+        # Eviction candidates by (tail recency, id). Entries go stale when a leaf is touched,
+        # gains a child, is locked or removed; they are skipped when popped, and the heap is
+        # rebuilt when stale entries outnumber live ones, so evict costs O(k log n).
+        self._lru_heap: list[tuple[int, int, RadixNode]] = []
 
     # ---- accounting ----------------------------------------------------------------------------
     @property
@@ -234,7 +238,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._locked_pages -= len(node.pages)
                 if not node.children:
-                    self._evictable_leaves.add(node)
+                    self._make_evictable(node)
             node = node.parent
 
     def evict(self, num_pages: int) -> list[int]:
@@ -245,10 +249,11 @@ class RadixCache:
         if type(num_pages) is not int:
             raise ValueError(f"num_pages must be an integer, got {num_pages!r}")
         freed: list[int] = []
-        heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
-        heapq.heapify(heap)
+        heap = self._lru_heap
         while len(freed) < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
+            time, _, node = heapq.heappop(heap)
+            if node not in self._evictable_leaves or time != node.last_access:
+                continue  # stale entry
             tail_start = node.times[-2][0] if len(node.times) > 1 else 0
             take = min(num_pages - len(freed), len(node.pages) - tail_start)
             keep = len(node.pages) - take
@@ -257,15 +262,14 @@ class RadixCache:
                 del node.pages[keep:]
                 node.key = node.key[: keep * self.page_size]
                 node.times = _cut_times(node.times, keep)[0]
-                heapq.heappush(heap, (node.last_access, node.id, node))
+                self._push_lru(node)
                 continue
             parent = node.parent
             self._detach(node)
             if parent.parent is None or parent.lock_ref:
                 continue
             if not parent.children:
-                self._evictable_leaves.add(parent)
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                self._make_evictable(parent)
             elif len(parent.children) == 1:
                 self._merge_into_child(parent)
         self._owned.difference_update(freed)
@@ -283,6 +287,7 @@ class RadixCache:
         self._roots.clear()
         self._owned.clear()
         self._evictable_leaves.clear()
+        self._lru_heap.clear()
         self._locked_pages = 0
         return pages
 
@@ -367,7 +372,7 @@ class RadixCache:
         child = RadixNode(key, pages, node, self, next(self._ids))
         node.children[key[: self.page_size]] = child
         self._evictable_leaves.discard(node)
-        self._evictable_leaves.add(child)
+        self._make_evictable(child)
         self._owned.update(pages)
         return child
 
@@ -376,11 +381,25 @@ class RadixCache:
         node.parent = None
         self._evictable_leaves.discard(node)
 
+    def _make_evictable(self, node: RadixNode) -> None:
+        self._evictable_leaves.add(node)
+        self._push_lru(node)
+
+    def _push_lru(self, node: RadixNode) -> None:
+        heap = self._lru_heap
+        if len(heap) > 2 * len(self._evictable_leaves) + 64:
+            heap[:] = [(n.last_access, n.id, n) for n in self._evictable_leaves]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (node.last_access, node.id, node))
+
     def _touch(self, node: RadixNode) -> None:
         self._clock += 1
+        leaf = node if node in self._evictable_leaves else None
         while node is not None:
             node.times = [(len(node.pages), self._clock)]
             node = node.parent
+        if leaf is not None:
+            self._push_lru(leaf)  # its old entry is stale now
 
     def _path_pages(self, node: RadixNode) -> list[int]:
         chunks = []
