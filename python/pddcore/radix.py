@@ -21,7 +21,7 @@ Example::
     hit = cache.match_prefix(prompt)           # MatchResult(pages, matched_len, node)
     cache.lock(hit.node)                       # keep those pages while the request runs
     need = len(prompt) // 16 - len(hit.pages)
-    freed = cache.evict(need - cache.free_pages)   # return `freed` to the page allocator
+    freed = cache.evict(need - min(need, cache.free_pages))  # give `freed` back to the allocator
     new_pages = allocator.alloc(need)
     ...                                        # P writes the suffix KV into new_pages
     cache.insert(prompt, hit.pages + new_pages)
