@@ -12,9 +12,9 @@ from pddcore.testing.relay import WanRelay
 
 # Two sessions: each opens with a fresh document (low hit at P and MD) and goes on with a
 # short high-hit turn. Shipping a document's KV (~2.7 MB) over the link takes ~0.5 s,
-# far more than RLD's eager start, and less than RLD needs for the 128-token answer
-# (so MD takes over).
-SCENARIO = dict(turns=2, system_tokens=64, document_tokens=256, user_tokens=16, first_output_tokens=128,
+# far more than RLD's eager start, and well below what RLD needs for the 192-token
+# answer (so MD takes over, also on a fast idle machine).
+SCENARIO = dict(turns=2, system_tokens=64, document_tokens=256, user_tokens=16, first_output_tokens=192,
                 output_tokens=12, stagger_s=0.5, think_s=0.1)
 LINK = dict(bandwidth_bps=50e6, delay_ms=20)
 
