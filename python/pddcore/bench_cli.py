@@ -199,6 +199,7 @@ def machine_info() -> dict:
     facts["cpu_model"] = _cpu_model()
     facts["platform"] = platform.platform()
     facts["usable_cpus"] = len(os.sched_getaffinity(0))
+    facts["loadavg"] = os.getloadavg()  # others' load on a shared machine shows up in the tails
     return facts
 
 
@@ -316,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"pddcore bench: unknown or no cases {unknown}; choose from {','.join(CASES)}")
     os.makedirs(args.out, exist_ok=True)
     started = dt.datetime.now(dt.timezone.utc)
+    load_at_start = os.getloadavg()
     cases: dict[str, dict] = {}
     texts: list[str] = []
     rows: list[Row] = []
@@ -347,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
         "seconds": (dt.datetime.now(dt.timezone.utc) - started).total_seconds(),
         "quick": args.quick, "backend": args.backend, "cases_selected": selected,
         "machine": machine_info(),
+        "loadavg_at_start": load_at_start,
         "table": [r.as_dict() for r in rows],
         "cases": cases,
         "plots": [os.path.basename(p) for p in plots],
@@ -356,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
         json.dump(result, f, indent=1)
     m = result["machine"]
     print(f"\npddcore {m['pddcore']} bench, {result['date']}, {m['cpu_model']} ({m['usable_cpus']} usable CPUs), "
-          f"torch {m['torch']}, CUDA {'yes' if m['cuda_usable'] else 'no'}, {result['seconds']:.0f} s")
+          f"torch {m['torch']}, CUDA {'yes' if m['cuda_usable'] else 'no'}, {result['seconds']:.0f} s, "
+          f"load average {load_at_start[0]:.1f} -> {m['loadavg'][0]:.1f}")
     print("\n\n".join(texts))
     if rows:
         print("\nsummary (ratio = value / baseline, both measured in this run)\n" + format_rows(rows))
