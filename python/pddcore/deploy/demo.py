@@ -13,12 +13,16 @@ from .reference import compare, reference_outputs
 from .report import run_metrics
 from .trace import Scenario
 
-__all__ = ["run_demo", "kv_bytes_per_token"]
+__all__ = ["run_demo", "kv_bytes_per_token", "vocab_size"]
 
 
 def kv_bytes_per_token(model_spec: dict) -> float:
     model = load_model(model_spec)
     return model.new_pool(1, 16).layout().bytes_per_token()
+
+
+def vocab_size(model_spec: dict) -> int:
+    return load_model(model_spec).config.vocab_size
 
 
 def run_demo(scenario: Scenario, network: Network, *, model: dict | None = None, modes: tuple[str, ...] = ("pd", "pdd"),
