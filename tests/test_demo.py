@@ -178,3 +178,28 @@ def test_userspace_relay_caps_rate_and_delays():
     n, end = got[0]
     assert n == 500_000
     assert end - start >= 0.5 and relay.bytes_sent("a") == 500_000
+
+
+def test_front_flags_tokens_from_the_wrong_owner_duplicates_and_gaps(tmp_path):
+    """The front's per-token check (what makes 'exactly once, in order, one owner' a
+    test): RLD after its final handoff, MD before it, a repeat and a gap are violations."""
+    from pddcore.deploy.front import Front, _Request
+    from pddcore.router import Pipeline
+
+    front = Front({"hub": str(tmp_path / "hub.sock"), "authkey": "00" * 16, "mode": "pdd",
+                   "router": {"kv_bytes_per_token": 8192, "ttft_slo_s": 0.4, "rld_tpot_s": 0.03,
+                              "prior_bytes_per_s": 1e7, "prior_rtt_s": 0.04}})
+    try:
+        front.requests["r"] = _Request("r", [1, 2, 3], 8, 0, pipeline=Pipeline.P_RLD_MD)
+        front.on_tokens("RLD", "RLD", [("r", 0, 11), ("r", 1, 12)])
+        assert front.violations == []
+        front.on_tokens("MD", "MD", [("r", 2, 13)])                 # MD before the handoff
+        front.on_handoff("RLD", "r", 2, "one_shot")
+        front.on_tokens("RLD", "RLD", [("r", 2, 13)])               # RLD after its final handoff
+        assert len(front.violations) == 2
+        front.on_tokens("MD", "MD", [("r", 2, 13), ("r", 2, 13), ("r", 4, 15)])  # ok, repeat, gap
+        assert len(front.violations) == 4
+        assert front.requests["r"].delivered == [11, 12, 13]
+        assert front.requests["r"].sources == ["RLD", "RLD", "MD"]
+    finally:
+        front.listener.close()

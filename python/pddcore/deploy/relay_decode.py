@@ -49,6 +49,7 @@ class RelayDecode:
         self.relays: dict[str, _Relay] = {}      # running P_RLD_MD requests
         self.unconfirmed: dict[str, list[bytes]] = {}  # handed off, MD has not taken over yet
         self.corrupt_left = config.get("corrupt_handoffs", 0)
+        self.early_ready: set[str] = set()
 
     def serve(self) -> None:
         while True:
@@ -75,8 +76,10 @@ class RelayDecode:
         if kind == "kv":
             self.admit(body)
         elif kind == "ready":
-            if body in self.relays:  # else: it finished here, or was handed off, meanwhile
+            if body in self.relays:
                 self.relays[body].md_ready = True
+            elif body not in self.unconfirmed:  # MD was faster than our own landing: keep the news
+                self.early_ready.add(body)
         elif kind == "nack":
             self.node.log.warning("MD rejected a handoff message (%s); re-sending %d unconfirmed handoffs",
                                   body, len(self.unconfirmed) + len(self.relays))
@@ -94,7 +97,8 @@ class RelayDecode:
         r = Running(note.rid, seq, note.context_len, note.max_new_tokens, note.seed, note.out_index, [note.token])
         self.loop.running[r.rid] = r
         if note.pipeline == "P_RLD_MD" and self.md_alive:
-            self.relays[r.rid] = _Relay()
+            self.relays[r.rid] = _Relay(md_ready=r.rid in self.early_ready)
+        self.early_ready.discard(r.rid)
         self.node.to_hub("tokens", "RLD", [(r.rid, note.out_index, note.token)])
         if self.loop.is_done(r):
             self.finish(r)
