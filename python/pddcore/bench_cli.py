@@ -29,7 +29,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from .benchmarks import extend_cases, handoff_cases, pack_cases, radix_cases, transfer_cases
+from .benchmarks import extend_cases, handoff_cases, pack_cases, radix_cases, rdma_cases, transfer_cases
 
 CASES = ("pack", "transfer", "wan", "handoff", "extend", "radix")
 
@@ -86,10 +86,19 @@ def case_transfer(quick: bool, backend: str) -> CaseOutput:
         results = transfer_cases.loopback_matrix(32 << 20, 2, (64 << 10, 1 << 20), (1, 4), backend=backend)
     else:
         results = transfer_cases.loopback_matrix(backend=backend)
-    rows = [Row("transfer", f"{backend} {r.chunk_bytes >> 10} KiB chunks x {r.streams} streams", r.engine_gbps,
+    emulated = backend == "rdma" and os.environ.get("PDDCORE_VERBS") == "emulator"
+    label = "rdma-emulator" if emulated else backend  # the verbs emulator's numbers are not a NIC's
+    rows = [Row("transfer", f"{label} {r.chunk_bytes >> 10} KiB chunks x {r.streams} streams", r.engine_gbps,
                 "raw socket", r.raw_gbps, "GB/s") for r in results]
-    return CaseOutput({"backend": backend, "points": [r.as_dict() for r in results]},
-                      transfer_cases.format_loopback(results), rows)
+    data = {"backend": label, "points": [r.as_dict() for r in results]}
+    text = transfer_cases.format_loopback(results)
+    if backend == "rdma" and rdma_cases.nic_line_rate() is not None:
+        line = rdma_cases.rdma_vs_line_rate(nbytes=(256 << 20) if quick else (1 << 30))
+        data["line_rate"] = line.as_dict()
+        rows.append(Row("transfer", f"rdma {line.device} goodput", line.goodput_gbit, "NIC line rate",
+                        line.line_gbit, "Gbit/s"))
+        text += f"\nRDMA {line.device}: {line.goodput_gbit:.1f} Gbit/s = {line.ratio:.2f}x line rate"
+    return CaseOutput(data, text, rows)
 
 
 def _need_wan() -> None:
