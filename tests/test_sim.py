@@ -319,6 +319,16 @@ def test_goodput_search_brackets_the_sla():
         max_goodput(cfg, trace[:20])
 
 
+def test_goodput_search_on_a_regenerated_workload():
+    """Sessions grow with the rate; a faster WAN can only raise cross-DC goodput."""
+    workload = AgenticConfig(rate=9.0, num_requests=400)
+    slow, s_slow = max_goodput(calibration_configs(wan_gbps=8.0)["cross-DC PD"], workload, iterations=3, seed=2)
+    fast, s_fast = max_goodput(calibration_configs(wan_gbps=50.0)["cross-DC PD"], workload, iterations=3, seed=2)
+    assert 0 < slow < fast
+    for s in (s_slow, s_fast):
+        assert s["sla_attainment"] >= 0.9 and s["sent_rps"] <= s["offered_rps"] * 1.001
+
+
 # ---- workload and traces ----------------------------------------------------------------------------
 
 def test_agentic_workload_shape():

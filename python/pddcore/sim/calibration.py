@@ -9,13 +9,15 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
 
 from .capacity import max_goodput, run_trace
 from .economics import Prices, bcr, mean_benefit
-from .scenarios import CALIBRATION_CHOICES, CALIBRATION_WAN_GBPS, REPORT, calibration_configs, calibration_trace
+from .scenarios import CALIBRATION_CHOICES, CALIBRATION_WAN_GBPS, CALIBRATION_WORKLOAD, REPORT, calibration_configs
+from .workload import agentic
 
 __all__ = ["calibrate", "format_table", "comparison_rows"]
 
@@ -26,11 +28,13 @@ SENSITIVITY_GBPS = (16.0, 25.0, 50.0)
 
 
 def calibrate(num_requests: int = 3000, seed: int = 1, goodput_iterations: int = 5, progress: bool = True,
-              **overrides: Any) -> dict[str, Any]:
+              workload_changes: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
     """Runs every deployment at the calibration load, then searches its SLA goodput.
-    ``overrides`` go to every :class:`ClusterConfig` (e.g. ``wan_gbps=40``)."""
+    ``overrides`` go to every :class:`ClusterConfig` (e.g. ``wan_gbps=40``),
+    ``workload_changes`` to the :class:`AgenticConfig` (e.g. ``output_median=2500``)."""
     configs = calibration_configs(**overrides)
-    trace = calibration_trace(num_requests, seed)
+    workload = replace(CALIBRATION_WORKLOAD, num_requests=num_requests, **(workload_changes or {}))
+    trace = agentic(workload, seed=seed)
     scenarios: dict[str, Any] = {}
     wan_gbps = overrides.get("wan_gbps", CALIBRATION_WAN_GBPS)
     sensitivity_gbps = [g for g in SENSITIVITY_GBPS if g != wan_gbps]
@@ -40,7 +44,7 @@ def calibrate(num_requests: int = 3000, seed: int = 1, goodput_iterations: int =
             scenarios[name] = {"at_offered_load": run_trace(cfg, trace)}
             bar.update()
         for name, cfg in configs.items():
-            rate, summary = max_goodput(cfg, trace, iterations=goodput_iterations)
+            rate, summary = max_goodput(cfg, workload, iterations=goodput_iterations, seed=seed)
             scenarios[name]["goodput_rps"] = rate
             scenarios[name]["goodput_capped"] = summary.get("goodput_capped", False)
             scenarios[name]["at_goodput"] = summary
@@ -58,7 +62,7 @@ def calibrate(num_requests: int = 3000, seed: int = 1, goodput_iterations: int =
                                               mean_benefit(Prices(cached_fraction=f), trace), cfg.price_per_hour)
                                   for f in _CACHED_FRACTIONS}
     return {"requests": len(trace), "seed": seed, "choices": CALIBRATION_CHOICES, "report": REPORT,
-            "overrides": overrides, "wan_gbps": wan_gbps, "scenarios": scenarios,
+            "overrides": overrides, "workload_changes": workload_changes or {}, "wan_gbps": wan_gbps, "scenarios": scenarios,
             "comparison": comparison_rows(scenarios), "wan_sensitivity": sensitivity}
 
 
@@ -111,7 +115,8 @@ def format_table(result: dict[str, Any]) -> str:
     scen = result["scenarios"]
     names = list(scen)
     head = f"{'':28}" + "".join(f"{n:>14}" for n in names)
-    lines.append(f"Calibration: {result['requests']} requests, seed {result['seed']}, at the offered load")
+    changed = "".join(f", {k}={v}" for k, v in result["workload_changes"].items())
+    lines.append(f"Calibration: {result['requests']} requests, seed {result['seed']}{changed}, at the offered load")
     lines.append(head)
     rows = [("offered load (req/s)", "offered_rps", "{:.2f}"), ("TTFT p50 (s)", "ttft_p50_s", "{:.2f}"),
             ("TTFT p90 (s)", "ttft_p90_s", "{:.2f}"), ("TTFT p99 (s)", "ttft_p99_s", "{:.2f}"),

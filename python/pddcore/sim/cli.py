@@ -12,13 +12,13 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 from .calibration import calibrate, format_table
-from .capacity import run_trace
-from .scenarios import CALIBRATION_WAN_GBPS, calibration_configs, calibration_trace
+from .scenarios import CALIBRATION_WAN_GBPS, CALIBRATION_WORKLOAD, calibration_configs, calibration_trace
 from .sweeps import SWEEPS, plot, pyplot
-from .workload import TraceError, read_jsonl, write_jsonl
+from .workload import TraceError, agentic, read_jsonl, write_jsonl
 
 _TRACE_KEYS = ("offered_rps", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s",
                "sla_attainment", "sla_goodput_rps", "rld_token_share", "wan_gbps_mean", "md_hit_rate")
@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="seed of the synthetic trace (default 1)")
     parser.add_argument("--wan-gbps", type=float, default=None, help=f"WAN bandwidth (default {CALIBRATION_WAN_GBPS:g} Gbit/s)")
     parser.add_argument("--wan-rtt-ms", type=float, default=None, help="WAN round trip (default 20 ms)")
+    parser.add_argument("--output-median", type=int, default=None,
+                        help="median output tokens of the calibration workload (default 350)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="DIR", help="write PNG figures into DIR")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -117,10 +119,12 @@ def run(args: argparse.Namespace) -> int:
                 if args.plot:
                     print(f"wrote {plot(kind, rows, args.plot)}")
         else:
-            result = calibrate(num_requests=args.requests or 3000, seed=args.seed, progress=progress, **overrides)
+            changes = {} if args.output_median is None else {"output_median": args.output_median}
+            result = calibrate(num_requests=args.requests or 3000, seed=args.seed, progress=progress,
+                               workload_changes=changes, **overrides)
             print(format_table(result))
             if args.plot:
-                print(f"wrote {_plot_calibration(result, args, overrides)}")
+                print(f"wrote {_plot_calibration(result, overrides, args.plot)}")
     except (TraceError, ValueError, OSError) as e:
         print(f"pddcore sim: {e}", file=sys.stderr)
         return 2
@@ -131,10 +135,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_calibration(result, args, overrides) -> str:
+def _plot_calibration(result, overrides, directory) -> str:
     from .cluster import ClusterSim
 
-    trace = calibration_trace(result["requests"], result["seed"])
+    workload = replace(CALIBRATION_WORKLOAD, num_requests=result["requests"], **result["workload_changes"])
+    trace = agentic(workload, seed=result["seed"])
     ttfts = {name: [j.ttft for j in ClusterSim(cfg).run(trace).jobs]
              for name, cfg in calibration_configs(**overrides).items()}
-    return _plot_ttft_cdf(ttfts, args.plot)
+    return _plot_ttft_cdf(ttfts, directory)

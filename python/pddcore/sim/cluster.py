@@ -232,7 +232,7 @@ class ClusterSim:
         if not requests:
             raise ValueError("no requests to simulate")
         for r in requests:
-            if r.prompt_tokens + r.output_tokens > self.cfg.model.max_context + 4096:
+            if r.prompt_tokens + r.output_tokens > self.cfg.model.max_context:
                 raise ValueError(f"request {r.id!r}: {r.prompt_tokens} prompt + {r.output_tokens} output tokens "
                                  f"exceed the model's {self.cfg.model.max_context}-token context")
         self.jobs = [Job(r) for r in requests]

@@ -47,11 +47,12 @@ def bathtub(hits: Sequence[float] = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.95)
     rows = []
     with tqdm(total=len(hits) * len(configs), desc="bathtub", disable=not progress) as bar:
         for hit in hits:
-            trace = agentic(_workload(num_requests=num_requests, **_hit_mix(hit)), seed=seed)
+            workload = _workload(num_requests=num_requests, **_hit_mix(hit))
+            trace = agentic(workload, seed=seed)
             measured = sum(r.hit_rate for r in trace) / len(trace)
             benefit = mean_benefit(prices, trace)
             for name, cfg in configs.items():
-                rate, summary = max_goodput(cfg, trace, iterations=5, high=64.0)
+                rate, summary = max_goodput(cfg, workload, iterations=5, high=64.0, seed=seed)
                 rows.append({"target_hit": hit, "mean_hit": measured, "scenario": name, "goodput_rps": rate,
                              "goodput_capped": summary.get("goodput_capped", False),
                              "bcr": bcr(rate, benefit, cfg.price_per_hour), "benefit_per_request": benefit,

@@ -165,6 +165,9 @@ class AgenticConfig:
         for name in ("num_requests", "max_context", "prompt_median", "output_median", "max_output"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.max_output >= self.max_context:
+            raise ValueError(f"max_output {self.max_output} leaves no room for a prompt in max_context "
+                             f"{self.max_context}")
         if not 0 <= self.high_hit_fraction <= 1:
             raise ValueError(f"high_hit_fraction must be in [0, 1], got {self.high_hit_fraction!r}")
         lo, hi = self.hit_bounds()
@@ -205,18 +208,19 @@ def agentic(config: AgenticConfig = AgenticConfig(), seed: int = 0) -> list[Requ
     hits = np.where(high, rng.uniform(0.95, 1.0, n), rng.uniform(*cfg.low_hit_range(), n))
     outputs = np.minimum(cfg.max_output, np.maximum(1, rng.lognormal(math.log(cfg.output_median),
                                                                        cfg.output_sigma, n))).astype(int)
-    fresh = np.clip(rng.lognormal(math.log(cfg.prompt_median), cfg.prompt_sigma, n), 256, cfg.max_context)
+    fresh = np.maximum(rng.lognormal(math.log(cfg.prompt_median), cfg.prompt_sigma, n), 1)
     pick = rng.integers(0, sessions, n)
     context = [0] * sessions  # tokens of the session's last prompt, which P (and maybe MD) cached
     out = []
     for i in range(n):
         s, h, c = int(pick[i]), float(hits[i]), context[int(pick[i])]
+        room = cfg.max_context - int(outputs[i])  # prompt and output share the context window
         grown = math.ceil(c / h) if h > 0 and c > 0 else 0
-        if c > 0 and grown <= cfg.max_context and grown > c:
+        if c > 0 and c < grown <= room:
             prompt, cached = grown, c
         else:
             # New session or compaction: a fresh prompt keeping part of the old prefix.
-            prompt = int(fresh[i])
+            prompt = min(int(fresh[i]), room)
             cached = min(c, math.floor(h * prompt))
         context[s] = prompt
         if i >= burn:
