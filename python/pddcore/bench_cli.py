@@ -141,15 +141,19 @@ def case_wan(quick: bool, backend: str) -> CaseOutput:
         r = _in_fresh_process(transfer_cases.wan_case, rate="1gbit", delay_ms=25)
     rate = "200mbit" if quick else "1gbit"
     tcp = _in_fresh_process(wan_cases.bulk_tcp, rate, r.rtt_ms / 2, seconds=3.0 if quick else 6.0)
+    line = _in_fresh_process(wan_cases.delay_line_capacity, 1500, seconds=2.0 if quick else 3.0)
     rows = [Row("wan", f"engine goodput {r.rate_bps / 1e9:.1f} Gbit/s RTT {r.rtt_ms:.0f} ms", r.goodput_gbps,
                 "line rate", r.rate_bps / 1e9, "Gbit/s"),
             Row("wan", "plain TCP stream, steady state", tcp.steady_gbps, "line rate", r.rate_bps / 1e9, "Gbit/s"),
             Row("wan", "priority msg one-way, under bulk", r.loaded_latency_ms, "idle link", r.idle_latency_ms, "ms"),
             Row("wan", "priority msg one-way, under paced bulk", r.paced_latency_ms, "idle link", r.idle_latency_ms,
-                "ms")]
-    return CaseOutput({"engine": r.as_dict(), "plain_tcp": tcp.as_dict()},
+                "ms"),
+            Row("wan", "delay line packets/s per core, MTU 1500", line.pps_per_core, "needed for 1 Gbit/s",
+                line.pps_needed_1g, "pkt/s")]
+    return CaseOutput({"engine": r.as_dict(), "plain_tcp": tcp.as_dict(), "delay_line": line.as_dict()},
                       transfer_cases.format_wan(r) + f"\nplain TCP stream: {tcp.steady_gbps:.3f} Gbit/s steady "
-                      f"= {tcp.ratio:.3f}x line rate", rows)
+                      f"= {tcp.ratio:.3f}x line rate\ndelay line, MTU 1500: {line.pps_per_core / 1e3:.0f} kpps "
+                      f"per core = {line.ratio_1g:.2f}x the rate 1 Gbit/s needs", rows)
 
 
 def case_handoff(quick: bool, backend: str) -> CaseOutput:
