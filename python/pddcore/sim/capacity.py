@@ -30,8 +30,9 @@ def run_trace(config: ClusterConfig, requests: Sequence[Request]) -> dict[str, A
 def max_goodput(config: ClusterConfig, trace: Sequence[Request] | AgenticConfig, attainment: float = 0.9,
                 iterations: int = 6, low: float = 0.125, high: float = 16.0, min_span_slos: float = 3.0,
                 seed: int = 0) -> tuple[float, dict[str, Any]]:
-    """Geometric bisection over a rate factor in [``low``, ``high``]: the highest
-    factor at which at least ``attainment`` of the requests meet the SLA. Returns the
+    """Geometric bisection over a rate factor in [``low``, ``high``], starting at 1
+    (the trace as given): the highest factor at which at least ``attainment`` of the
+    requests meet the SLA. Returns the
     SLA goodput there (attainment x the rate requests were actually sent at, which
     causal sessions may hold below the offered rate) and that run's summary; 0 and the
     run at ``low`` when even that fails. When the top factor passes, the goodput is a
@@ -69,13 +70,23 @@ def max_goodput(config: ClusterConfig, trace: Sequence[Request] | AgenticConfig,
     def attempt(factor: float) -> dict[str, Any]:
         return run_trace(config, at(factor))
 
-    best = attempt(low)
-    if best["sla_attainment"] < attainment:
-        return 0.0, best
-    top = attempt(high)
-    if top["sla_attainment"] >= attainment:
-        return top["sla_goodput_rps"], {**top, "goodput_capped": True}
-    lo, hi = low, high
+    # Start at the trace's own rate (the run the caller compares against), then bisect
+    # upward or downward from it.
+    start = min(1.0, high)
+    best = attempt(start)
+    if best["sla_attainment"] >= attainment:
+        lo, hi = start, high
+        if high > start:
+            top = attempt(high)
+            if top["sla_attainment"] >= attainment:
+                return top["sla_goodput_rps"], {**top, "goodput_capped": True}
+        else:
+            return best["sla_goodput_rps"], {**best, "goodput_capped": True}
+    else:
+        lo, hi = low, start
+        best = attempt(low)
+        if best["sla_attainment"] < attainment:
+            return 0.0, best
     for _ in range(iterations):
         mid = math.sqrt(lo * hi)
         s = attempt(mid)
