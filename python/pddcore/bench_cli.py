@@ -6,8 +6,9 @@ Cases (``--cases``, comma-separated; default all):
 
 - ``pack``: pack / unpack GB/s against a contiguous copy of the same bytes.
 - ``transfer``: TransferEngine against raw sockets on loopback, per chunk size and streams.
-- ``wan``: TransferEngine goodput through the WAN emulator against the line rate, and
-  priority-lane latency under bulk load against the idle link (root only).
+- ``wan``: TransferEngine goodput through the WAN emulator against the line rate (a plain
+  TCP stream beside it), priority-lane latency under bulk load against the idle link, and
+  the delay line's packets/s per core against what 1 Gbit/s needs (root only).
 - ``handoff``: the PDD report's 100-token handoff, KV against token ids + extend (root only).
 - ``extend``: one extend pass over N handed-off tokens against N decode steps, N = 1..512.
 - ``radix``: RadixCache match / insert ops/s against a hash-chain prefix cache.
