@@ -47,6 +47,7 @@ class _Request:
     on_rld: bool = False
     done: bool = False
     resumed: bool = False
+    md_dropped: bool = False
 
 
 class Front:
@@ -217,11 +218,12 @@ class Front:
 
     def on_done(self, role: str, rid: str, _: str) -> None:
         req = self.requests[rid]
-        if req.pipeline is Pipeline.P_RLD_MD and role == "RLD" and req.handoff_at is None and not req.resumed:
-            # finished on RLD before any handoff: the MD side is no longer needed
-            self.send("P", "cancel_md", rid)
-            self.send("MD", "release", rid)
-            self.counts["md_cancelled_rld_finished"] += 1
+        if req.pipeline is Pipeline.P_RLD_MD and role == "RLD" and req.handoff_at is None and not req.resumed \
+                and not req.md_dropped and self.md_alive:
+            # Finished on RLD before any handoff. The KV for MD is mostly on the wire already:
+            # MD keeps it in its radix cache, so the session's next turn is a high-hit P_MD one.
+            self.send("MD", "cache_only", rid)
+            self.counts["md_cache_only_rld_finished"] += 1
         self.finish(req, role)
 
     def finish(self, req: _Request, by: str) -> None:
@@ -242,6 +244,7 @@ class Front:
         if target == "md" and req.pipeline is Pipeline.P_RLD_MD and req.handoff_at is None:
             log.warning("%s: transfer to MD %s; the request stays on RLD", rid, status)
             self.counts["stayed_on_rld_after_md_" + status] += 1
+            req.md_dropped = True
             self.send("RLD", "stay", rid)
             self.send("MD", "release", rid)
         elif target == "md" and req.pipeline is Pipeline.P_MD:

@@ -4,7 +4,8 @@ and produces most of the tokens.
 
 Front -> MD: ``("lookup", rid, context)``: MD matches its radix cache, pins the hit and
 answers ``("lookup_ok", rid, cached_tokens)``, so P sends only the pages MD lacks;
-``("release", rid)``: forget the request (it finishes on RLD).
+``("release", rid)``: forget the request (it finishes on RLD); ``("cache_only", rid)``:
+RLD finished it before any handoff, keep its KV in the radix cache only.
 MD -> front: ``("md_ready", rid)``, ``("took_over", rid, index)`` (MD owns the output from
 ``index`` on), ``("tokens", "MD", [...])``, ``("done", rid, "MD")``, ``("rejected", reason)``,
 ``("staging_free", "md", offset)``.
@@ -58,6 +59,7 @@ class MainDecode:
         self.lookups: dict[str, _Lookup] = {}
         self.awaiting: dict[str, _Awaiting] = {}
         self.contexts: dict[str, list[int]] = {}
+        self.keep_only: set[str] = set()  # finished on RLD before their KV landed here
 
     def serve(self) -> None:
         while True:
@@ -80,6 +82,8 @@ class MainDecode:
             self.node.to_hub("lookup_ok", rid, hit.matched_len)
         elif kind == "release":
             self.release(msg[1])
+        elif kind == "cache_only":
+            self.cache_only(msg[1])
 
     def release(self, rid: str) -> None:
         lookup = self.lookups.pop(rid, None)
@@ -89,6 +93,17 @@ class MainDecode:
         if waiting is not None:
             self.node.pool.release(waiting.seq)
             self.contexts.pop(rid, None)
+
+    def cache_only(self, rid: str) -> None:
+        """The request finished on RLD: keep its context's KV in the radix cache (now, or
+        when it lands) and drop the request."""
+        waiting = self.awaiting.pop(rid, None)
+        if waiting is None:
+            self.keep_only.add(rid)
+            return
+        cache_sequence(self.node.pool, self.cache, waiting.context, waiting.seq)
+        self.node.pool.release(waiting.seq)
+        self.contexts.pop(rid, None)
 
     # ---- lanes --------------------------------------------------------------------------
     def handle_lane(self, payload: bytes) -> None:
@@ -112,7 +127,11 @@ class MainDecode:
         self.node.to_hub("staging_free", "md", note.offset)
         self.contexts[note.rid] = lookup.context
         self.node.to_hub("md_ready", note.rid)
-        if note.pipeline == "P_MD":
+        if note.rid in self.keep_only:
+            self.keep_only.discard(note.rid)
+            self.awaiting[note.rid] = _Awaiting(note, lookup.context, seq, HandoffAssembler(note.rid, note.context_len))
+            self.cache_only(note.rid)
+        elif note.pipeline == "P_MD":
             self.start(Running(note.rid, seq, note.context_len, note.max_new_tokens, note.seed, note.out_index,
                                [note.token]), [(note.rid, note.out_index, note.token)])
         else:

@@ -9,7 +9,7 @@ the local link, to MD over the WAN. Each write carries a :class:`~.wire.KvReady`
 notification, delivered only after every byte was verified and applied.
 
 Front -> P: ``("peers", {"rld": descriptor hex, "md": ...})``, ``("job", dict)``,
-``("cancel_md", rid)``, ``("staging_free", target, offset)``, ``("md_lost",)``.
+``("staging_free", target, offset)``, ``("md_lost",)``.
 P -> front: ``("xfer", rid, target, status, bytes, link)`` with status ``done``,
 ``failed``, ``timeout`` or ``cancelled`` and ``link`` the engine's counters for that
 peer (``TransferEngine.stats()["peers"][...]``: bytes, busy seconds, RTT); ``("prefilled", rid, p_cached, seconds)``.
@@ -68,7 +68,6 @@ class Prefill:
         self.targets: dict[str, _Target] = {}
         self.jobs: deque[dict] = deque()
         self.sends: list[_Send] = []
-        self.cancelled_md: set[str] = set()
         self.params = SamplingParams()
 
     def serve(self) -> None:
@@ -92,8 +91,6 @@ class Prefill:
                 self.targets[name] = _Target(peer, desc, RangeAllocator(RegionDescriptor.from_bytes(desc).size))
         elif kind == "job":
             self.jobs.append(msg[1])
-        elif kind == "cancel_md":
-            self.cancel_md(msg[1])
         elif kind == "staging_free" and msg[1] in self.targets:
             self.targets[msg[1]].ranges.free(msg[2])
         elif kind == "md_lost":
@@ -115,8 +112,6 @@ class Prefill:
             self.node.to_hub("prefilled", rid, cached, time.perf_counter() - started)
             pages = seq.pages[:self.node.pool.pages_for(len(context))]
             for target in job["targets"]:
-                if target == "md" and rid in self.cancelled_md:
-                    continue
                 first = job["md_cached"] if target == "md" else 0
                 self.send(job, target, pages[first // self.page_size:], first, token)
         finally:
@@ -189,15 +184,6 @@ class Prefill:
         target = self.targets.get(s.target)
         link = self.node.engine.stats()["peers"].get(target.peer.address, {}) if target else {}
         self.node.to_hub("xfer", s.rid, s.target, status, sent, link)
-
-    def cancel_md(self, rid: str) -> None:
-        self.cancelled_md.add(rid)
-        for s in self.sends:
-            if s.rid == rid and s.target == "md":
-                try:
-                    s.transfer.cancel()
-                except TransferError:
-                    pass
 
 
 def serve(config: dict) -> None:

@@ -27,7 +27,7 @@ def run_metrics(run: RunResult) -> dict:
                      "rejected": counts.get("handoff_rejected", 0)},
         "routes": {p: counts.get(f"route_{p}", 0) for p in ("P_MD", "P_RLD_MD", "RLD_ONLY")},
         "faults": {k: v for k, v in counts.items() if k.startswith(("md_lost", "md_failed", "stayed_on_rld",
-                                                                       "md_transfer_timeout", "md_cancelled"))},
+                                                                       "md_transfer_timeout", "md_cache_only"))},
         "ownership_violations": run.summary["violations"] + run.client_errors,
         "md_killed": run.md_killed,
     }
