@@ -53,7 +53,7 @@ def format_table(metrics: list[dict], labels: list[str]) -> str:
         ("handoffs rejected (malformed)", lambda m: str(m["handoffs"]["rejected"])),
         ("routes P_MD / P_RLD_MD / RLD_ONLY",
          lambda m: f"{m['routes']['P_MD']} / {m['routes']['P_RLD_MD']} / {m['routes']['RLD_ONLY']}"),
-        ("faults", lambda m: ", ".join(f"{k}={v}" for k, v in sorted(m["faults"].items())) or "-"),
+        ("faults and fallbacks", lambda m: ", ".join(f"{k}={v}" for k, v in sorted(m["faults"].items())) or "-"),
         ("requests / wall time", lambda m: f"{m['requests']} / {m['wall_s']:.1f} s"),
     ]
     width = max(len(r[0]) for r in rows) + 2
