@@ -75,7 +75,6 @@ class Front:
         self.wan_bytes = 0
         self.md_tokens = 0
         self.md_token_milestone = config.get("md_token_milestone")
-        self.t0 = time.monotonic()
 
     def _accept(self) -> None:
         while True:
