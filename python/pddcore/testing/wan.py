@@ -324,6 +324,10 @@ class WanLink:
             for child in self._children:
                 child.kill()
             self._children.clear()
+            if self.delay_line_pid is not None:
+                # A delay line that already left its namespace while exiting is no longer
+                # found through it; wait for it by pid so close() returns only once it is gone.
+                netns.kill_processes([self.delay_line_pid])
             teardown(self.name)
         finally:
             self._restore_sigterm_handler()
