@@ -15,6 +15,7 @@ from pddcore.router import Pipeline
 from pddcore.sim import (AccountingError, AgenticConfig, ClusterSim, CostModel, HARDWARE, MODELS, HardwareSpec,
                          Request, TraceError, agentic, calibration_configs, check_accounting, max_goodput,
                          read_jsonl, run_trace, summarize, write_jsonl)
+from pddcore.sim.cluster import Pool
 from pddcore.sim.costmodel import prefill_flops
 from pddcore.sim.economics import Prices
 from pddcore.sim.engine import EventLoop
@@ -253,6 +254,20 @@ def test_decode_side_cache_cuts_wan_bytes():
     without = run_trace(calibration_configs(wan_gbps=100.0, drc=False)["cross-DC PD"], trace)
     assert with_drc["wan_gb"] < 0.3 * without["wan_gb"]
     assert with_drc["md_hit_rate"] == pytest.approx(with_drc["p_hit_rate"], abs=0.03)
+
+
+def test_md_serves_alone_when_ready_before_rld_has_room():
+    """RLD (one H100) is full of three long RLD-only requests; the fourth was routed to
+    RLD while it still looked free, waits for RLD memory, and MD gets its KV first."""
+    reqs = [Request(i, 0.1 * i, 62000, 0, 2000) for i in range(3)] + [Request(3, 0.3, 51000, 0, 2000)]
+    cfg = calibration_configs(wan_gbps=2.0)["PDD"].with_(rld=Pool(HARDWARE["H100"], 1))
+    run = ClusterSim(cfg).run(reqs)
+    check_accounting(run)
+    assert [j.pipeline for j in run.jobs[:3]] == [Pipeline.RLD_ONLY] * 3
+    last = run.jobs[3]
+    assert last.pipeline is Pipeline.P_RLD_MD and last.handoffs == []
+    assert (last.tokens_rld, last.tokens_md) == (0, 2000)
+    assert last.t_first < min(j.t_done for j in run.jobs[:3])   # did not wait for RLD to free up
 
 
 def test_accounting_check_catches_a_lost_token(stressed_runs):

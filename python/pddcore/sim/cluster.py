@@ -411,6 +411,10 @@ class ClusterSim:
             job.md.join(job, req.prompt_tokens, req.output_tokens, True, self._first_token, self._md_finished)
         elif job.on_rld:
             self._consider_handoff(job)
+        elif not job.rld_granted and job.rld.pool.cancel_waiting(job):
+            # RLD never had room for it and MD is ready first: MD serves it alone.
+            job.rld = None
+            job.md.join(job, req.prompt_tokens, req.output_tokens, True, self._first_token, self._md_finished)
 
     # ---- handoff ---------------------------------------------------------------------------------
     def _consider_handoff(self, job: Job) -> None:
