@@ -118,7 +118,7 @@ def _fluid_reference(bw, rtt, transfers):
     return done
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 5), st.integers(0, 5_000_000)), min_size=1, max_size=12),
        st.sampled_from([0.0, 0.02]))
 def test_shared_link_matches_fluid_reference(transfers, rtt):
@@ -133,7 +133,9 @@ def test_shared_link_matches_fluid_reference(transfers, rtt):
     ref = _fluid_reference(bw, rtt, transfers)
     assert done.keys() == ref.keys()
     for i in ref:
-        assert done[i] == pytest.approx(ref[i], rel=1e-6, abs=1e-6)
+        # The link finishes a transfer within one byte of its end (float slack): at most
+        # 12 sharers x 1 byte / 1 MB/s late or early.
+        assert done[i] == pytest.approx(ref[i], rel=1e-6, abs=2e-5)
     assert link.bytes_delivered == pytest.approx(sum(b for _, b in transfers), rel=1e-9)
 
 
