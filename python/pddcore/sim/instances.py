@@ -3,8 +3,8 @@ under a KV-capacity budget), plus the decode-side radix cache's capacity model.
 
 Decode runs in steps: every running request produces one token per step, and a
 request whose KV arrives mid-step joins at the next step boundary. Steps are counted,
-so a request's progress is ``step - start_step`` and a step costs O(1) plus the
-requests that finish in it -- never a loop over the batch.
+so a request's progress is ``step - start_step`` -- never a loop over the batch -- and
+the steps of an unchanged batch run as one timed segment (:class:`DecodeInstance`).
 
 KV memory is reserved before a request's KV is sent (prompt plus output, so nothing
 is ever preempted); a reservation that does not fit waits, first come first served.
