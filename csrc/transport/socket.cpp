@@ -111,29 +111,39 @@ void Socket::sendv_all(iovec* iov, int count) const {
 void Socket::recv_all(void* data, size_t n) const {
   auto* p = static_cast<uint8_t*>(data);
   while (n > 0) {
-    const ssize_t got = ::recv(fd_, p, n, 0);
-    if (got == 0) throw TransferError("connection closed by peer");
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) throw TransferError("receive timed out");
-      throw_errno("receive failed", errno);
-    }
+    // MSG_WAITALL: one wakeup and one syscall for the whole range, not one per segment.
+    const size_t got = receive(p, n, MSG_WAITALL);
+    if (got == kNothingYet) throw TransferError("receive timed out");
     p += got;
-    n -= static_cast<size_t>(got);
+    n -= got;
   }
 }
 
-bool Socket::recv_frame(void* data, size_t n) const {
+size_t Socket::recv_some(void* data, size_t n) const {
+  const size_t got = receive(data, n, 0);
+  if (got == kNothingYet) throw TransferError("receive timed out");
+  return got;
+}
+
+bool Socket::recv_frame(void* data, size_t n) const { return frame(data, n, MSG_WAITALL); }
+
+bool Socket::poll_frame(void* data, size_t n) const { return frame(data, n, MSG_DONTWAIT); }
+
+bool Socket::frame(void* data, size_t n, int flags) const {
+  const size_t got = receive(data, n, flags);
+  if (got == kNothingYet) return false;
+  if (got < n) recv_all(static_cast<uint8_t*>(data) + got, n - got);
+  return true;
+}
+
+size_t Socket::receive(void* data, size_t n, int flags) const {
   for (;;) {
-    const ssize_t got = ::recv(fd_, data, n, 0);
+    const ssize_t got = ::recv(fd_, data, n, flags);
     if (got == 0) throw TransferError("connection closed by peer");
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
-      throw_errno("receive failed", errno);
-    }
-    if (static_cast<size_t>(got) < n) recv_all(static_cast<uint8_t*>(data) + got, n - static_cast<size_t>(got));
-    return true;
+    if (got > 0) return static_cast<size_t>(got);
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return kNothingYet;
+    throw_errno("receive failed", errno);
   }
 }
 

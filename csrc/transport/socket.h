@@ -39,8 +39,18 @@ class Socket {
   // Like recv_all, but returns false when the receive deadline passes before the first
   // byte (an idle connection); a frame cut off midway still throws.
   bool recv_frame(void* data, size_t n) const;
+  // Like recv_frame, but returns false at once when no byte of the frame has arrived yet.
+  bool poll_frame(void* data, size_t n) const;
+  // Receives at least one and at most n bytes; returns how many, or throws TransferError.
+  size_t recv_some(void* data, size_t n) const;
 
  private:
+  static constexpr size_t kNothingYet = 0;
+  // One recv with `flags`: the byte count (> 0), kNothingYet when the deadline passed or
+  // (MSG_DONTWAIT) nothing was queued; throws on EOF or error.
+  size_t receive(void* data, size_t n, int flags) const;
+  bool frame(void* data, size_t n, int flags) const;
+
   int fd_ = -1;
 };
 

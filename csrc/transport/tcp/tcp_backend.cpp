@@ -3,6 +3,9 @@
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
+#include <optional>
 #include <set>
 
 #include "pddcore/crc32c.h"
@@ -14,15 +17,41 @@ namespace {
 // The receiver checks the CRC piece by piece while the bytes are still in cache.
 constexpr size_t kCrcPiece = 256 << 10;
 constexpr uint64_t kMinWindowBytes = 16ull << 20;
+// One sendmsg carries up to this many chunks (or bytes) when they are small.
+constexpr size_t kMaxBatchChunks = 16;
+constexpr uint64_t kMaxBatchBytes = 1ull << 20;
 
-void send_ack(const Socket& s, wire::AckStatus status, uint64_t seq) {
-  wire::Ack ack;
-  ack.status = status;
-  ack.seq = seq;
-  uint8_t buf[wire::Ack::kSize];
-  ack.encode(buf);
-  s.send_all(buf, sizeof(buf));
-}
+// Acks for verified chunks wait here while more chunks are already queued on the socket,
+// and go out in one send once the socket runs dry (or a batch is full): one syscall per
+// burst instead of one per chunk. An ack is still only ever sent after its chunk's check.
+class AckBatch {
+ public:
+  explicit AckBatch(const Socket& socket) : socket_(socket) {}
+  void add(wire::AckStatus status, uint64_t seq, uint64_t bytes) {
+    wire::Ack ack;
+    ack.status = status;
+    ack.seq = seq;
+    ack.encode(buf_ + count_ * wire::Ack::kSize);
+    bytes_ += bytes;
+    // Flushing by bytes too keeps the sender's window open while data streams in.
+    if (++count_ == kMaxAcks || bytes_ >= kMaxBytes) flush();
+  }
+  void flush() {
+    if (count_ == 0) return;
+    socket_.send_all(buf_, count_ * wire::Ack::kSize);
+    count_ = 0;
+    bytes_ = 0;
+  }
+  bool empty() const { return count_ == 0; }
+
+ private:
+  static constexpr size_t kMaxAcks = 64;
+  static constexpr uint64_t kMaxBytes = 4ull << 20;
+  const Socket& socket_;
+  uint8_t buf_[kMaxAcks * wire::Ack::kSize];
+  size_t count_ = 0;
+  uint64_t bytes_ = 0;
+};
 
 std::string describe(const WriteChunk& c) {
   return "region " + std::to_string(c.dst_region) + ", offset " + std::to_string(c.dst_offset) + ", length " +
@@ -161,24 +190,32 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
   }
   std::thread reader([&] { read_acks(link, stream, socket, broken, progressed, reader_error); });
   try {
+    std::vector<Outgoing> batch;
     for (;;) {
-      WriteChunk chunk;
-      uint64_t seq;
+      uint64_t batch_bytes = 0;
       {
         std::unique_lock<std::mutex> lock(link.mutex);
         link.cv.wait(lock, [&] {
           return link.stopping || broken || (!link.queue.empty() && stream.inflight_bytes < window_bytes_);
         });
         if (link.stopping || broken) break;
-        chunk = std::move(link.queue.front());
-        link.queue.pop_front();
-        if (chunk.transfer->finished()) continue;
-        seq = stream.next_seq++;
-        stream.inflight.emplace(seq, chunk);
-        stream.inflight_bytes += chunk.length;
+        // Small chunks go out several per syscall; a big one goes alone.
+        while (!link.queue.empty() && stream.inflight_bytes < window_bytes_ && batch.size() < kMaxBatchChunks &&
+               (batch.empty() || batch_bytes + link.queue.front().length <= kMaxBatchBytes)) {
+          WriteChunk chunk = std::move(link.queue.front());
+          link.queue.pop_front();
+          if (chunk.transfer->finished()) continue;
+          const uint64_t seq = stream.next_seq++;
+          stream.inflight.emplace(seq, chunk);
+          stream.inflight_bytes += chunk.length;
+          batch_bytes += chunk.length;
+          batch.push_back({std::move(chunk), seq});
+        }
       }
-      host_.pace(chunk.length);
-      send_chunk(socket, chunk, seq);
+      if (batch.empty()) continue;
+      host_.pace(batch_bytes);
+      send_chunks(socket, batch);
+      batch.clear();  // its chunks hold their source regions
     }
   } catch (const std::exception& e) {
     writer_error = e.what();
@@ -197,79 +234,80 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
                       (reader_error.empty() ? writer_error : reader_error));
 }
 
-void TcpBackend::send_chunk(const Socket& socket, const WriteChunk& chunk, uint64_t seq) {
-  const uint8_t* payload = chunk.src->base + chunk.src_offset;
-  wire::ChunkHeader header;
-  header.seq = seq;
-  header.region_id = chunk.dst_region;
-  header.offset = chunk.dst_offset;
-  header.length = chunk.length;
-  header.payload_crc = crc32c(payload, chunk.length);
-  uint8_t header_bytes[wire::ChunkHeader::kSize];
-  header.encode(header_bytes);
-  std::vector<uint8_t> corrupted;
-  uint32_t pending = corrupt_next_.load();
-  while (pending > 0 && !corrupt_next_.compare_exchange_weak(pending, pending - 1)) {
+void TcpBackend::send_chunks(const Socket& socket, const std::vector<Outgoing>& batch) {
+  std::vector<std::array<uint8_t, wire::ChunkHeader::kSize>> headers(batch.size());
+  std::vector<std::vector<uint8_t>> corrupted;
+  corrupted.reserve(batch.size());
+  std::vector<iovec> iov;
+  iov.reserve(2 * batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const WriteChunk& chunk = batch[i].chunk;
+    const uint8_t* payload = chunk.src->base + chunk.src_offset;
+    wire::ChunkHeader header;
+    header.seq = batch[i].seq;
+    header.region_id = chunk.dst_region;
+    header.offset = chunk.dst_offset;
+    header.length = chunk.length;
+    header.payload_crc = crc32c(payload, chunk.length);
+    header.encode(headers[i].data());
+    uint32_t pending = corrupt_next_.load();
+    while (pending > 0 && !corrupt_next_.compare_exchange_weak(pending, pending - 1)) {
+    }
+    if (pending > 0) {  // test hook: flip one payload byte after the CRC was taken
+      corrupted.emplace_back(payload, payload + chunk.length);
+      corrupted.back()[chunk.length / 2] ^= 0xFF;
+      payload = corrupted.back().data();
+    }
+    iov.push_back({headers[i].data(), headers[i].size()});
+    iov.push_back({const_cast<uint8_t*>(payload), chunk.length});
   }
-  if (pending > 0) {  // test hook: flip one payload byte after the CRC was taken
-    corrupted.assign(payload, payload + chunk.length);
-    corrupted[chunk.length / 2] ^= 0xFF;
-    payload = corrupted.data();
-  }
-  iovec iov[2] = {{header_bytes, sizeof(header_bytes)}, {const_cast<uint8_t*>(payload), chunk.length}};
-  socket.sendv_all(iov, 2);
+  socket.sendv_all(iov.data(), static_cast<int>(iov.size()));
 }
 
 void TcpBackend::read_acks(Link& link, Stream& stream, const Socket& socket, std::atomic<bool>& broken,
                            std::atomic<bool>& progressed, std::string& error) {
   const uint32_t max_retries = host_.options().max_retries;
+  // The receiver sends acks in bursts: take whatever arrived in one recv, settle the
+  // whole burst under one lock.
+  constexpr size_t kMaxAcks = 64;
+  uint8_t buf[kMaxAcks * wire::Ack::kSize];
+  size_t have = 0;
+  std::vector<std::pair<wire::AckStatus, std::optional<WriteChunk>>> settled;
   try {
     for (;;) {
-      uint8_t buf[wire::Ack::kSize];
-      socket.recv_all(buf, sizeof(buf));
-      wire::Ack ack;
-      if (!ack.decode(buf)) throw TransferError("malformed ack from peer");
-      WriteChunk chunk;
-      bool known;
+      have += socket.recv_some(buf + have, sizeof(buf) - have);
+      const size_t whole = have / wire::Ack::kSize;
+      bool malformed = false;
       {
         std::lock_guard<std::mutex> lock(link.mutex);
-        auto it = stream.inflight.find(ack.seq);
-        known = it != stream.inflight.end();
-        if (known) {
-          chunk = std::move(it->second);
+        for (size_t i = 0; i < whole && !malformed; ++i) {
+          wire::Ack ack;
+          if (!ack.decode(buf + i * wire::Ack::kSize)) {
+            malformed = true;
+            break;
+          }
+          auto it = stream.inflight.find(ack.seq);
+          if (it == stream.inflight.end()) {
+            settled.emplace_back(ack.status, std::nullopt);
+            continue;
+          }
+          stream.inflight_bytes -= it->second.length;
+          settled.emplace_back(ack.status, std::move(it->second));
           stream.inflight.erase(it);
-          stream.inflight_bytes -= chunk.length;
         }
       }
-      link.cv.notify_all();
-      progressed = true;
-      const std::string reason = wire::to_string(ack.status);
-      switch (ack.status) {
-        case wire::AckStatus::kOk:
-          if (known) host_.chunk_applied(chunk);
-          break;
-        case wire::AckStatus::kBadCrc:
-          if (!known) break;
-          ++chunk.attempts;
-          host_.chunk_retried(chunk, reason);
-          if (chunk.attempts > max_retries) {
-            host_.transfer_failed(chunk.transfer, "peer rejected a chunk " + std::to_string(chunk.attempts) +
-                                                      " times: " + reason + " (" + describe(chunk) + ")");
-          } else {
-            std::lock_guard<std::mutex> lock(link.mutex);
-            link.queue.push_front(std::move(chunk));
-          }
-          link.cv.notify_all();
-          break;
-        case wire::AckStatus::kUnknownRegion:
-        case wire::AckStatus::kOutOfBounds:
-          if (known) host_.transfer_failed(chunk.transfer, "peer rejected a chunk: " + reason + " (" + describe(chunk) + ")");
-          break;
-        case wire::AckStatus::kBadHeader:
-        case wire::AckStatus::kTooLarge:
-          if (known) host_.transfer_failed(chunk.transfer, "peer rejected a chunk: " + reason + " (" + describe(chunk) + ")");
-          throw TransferError("peer closed the connection: " + reason);
+      std::memmove(buf, buf + whole * wire::Ack::kSize, have - whole * wire::Ack::kSize);
+      have -= whole * wire::Ack::kSize;
+      if (!settled.empty()) {
+        link.cv.notify_all();
+        progressed = true;
       }
+      std::string closed_by_peer;
+      for (auto& [status, known] : settled)
+        if (!settle(link, status, known, max_retries)) closed_by_peer = wire::to_string(status);
+      settled.clear();  // its chunks hold their source regions
+      if (!closed_by_peer.empty()) throw TransferError("peer closed the connection: " + closed_by_peer);
+      if (malformed) throw TransferError("malformed ack from peer");
     }
   } catch (const std::exception& e) {
     error = e.what();
@@ -277,6 +315,37 @@ void TcpBackend::read_acks(Link& link, Stream& stream, const Socket& socket, std
   broken = true;
   socket.shutdown();
   link.cv.notify_all();
+}
+
+bool TcpBackend::settle(Link& link, wire::AckStatus status, std::optional<WriteChunk>& chunk, uint32_t max_retries) {
+  const std::string reason = wire::to_string(status);
+  switch (status) {
+    case wire::AckStatus::kOk:
+      if (chunk) host_.chunk_applied(*chunk);
+      break;
+    case wire::AckStatus::kBadCrc:
+      if (!chunk) break;
+      ++chunk->attempts;
+      host_.chunk_retried(*chunk, reason);
+      if (chunk->attempts > max_retries) {
+        host_.transfer_failed(chunk->transfer, "peer rejected a chunk " + std::to_string(chunk->attempts) +
+                                                   " times: " + reason + " (" + describe(*chunk) + ")");
+      } else {
+        std::lock_guard<std::mutex> lock(link.mutex);
+        link.queue.push_front(std::move(*chunk));
+      }
+      link.cv.notify_all();
+      break;
+    case wire::AckStatus::kUnknownRegion:
+    case wire::AckStatus::kOutOfBounds:
+      if (chunk) host_.transfer_failed(chunk->transfer, "peer rejected a chunk: " + reason + " (" + describe(*chunk) + ")");
+      break;
+    case wire::AckStatus::kBadHeader:
+    case wire::AckStatus::kTooLarge:
+      if (chunk) host_.transfer_failed(chunk->transfer, "peer rejected a chunk: " + reason + " (" + describe(*chunk) + ")");
+      return false;
+  }
+  return true;
 }
 
 void TcpBackend::requeue_inflight(Link& link, Stream& stream, const std::string& why) {
@@ -363,15 +432,20 @@ void TcpBackend::debug_corrupt_chunks(uint32_t n) { corrupt_next_ = n; }
 void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
   socket.set_timeouts(host_.options().timeout_s, host_.options().timeout_s);
   std::vector<uint8_t> scratch;
+  AckBatch acks(socket);
   for (;;) {
     uint8_t header_bytes[wire::ChunkHeader::kSize];
-    if (!socket.recv_frame(header_bytes, sizeof(header_bytes))) continue;  // idle; close() shuts it down
+    if (acks.empty() || !socket.poll_frame(header_bytes, sizeof(header_bytes))) {
+      acks.flush();  // nothing more queued: the sender is waiting for these
+      if (!socket.recv_frame(header_bytes, sizeof(header_bytes))) continue;  // idle; close() shuts it down
+    }
     wire::ChunkHeader header;
     wire::AckStatus status = header.decode(header_bytes);
     if (status != wire::AckStatus::kOk) {
       // The stream cannot be resynchronised: say why and close it.
       host_.chunk_received(0, status);
-      send_ack(socket, status, header.seq);
+      acks.add(status, header.seq, 0);
+      acks.flush();
       return;
     }
     RegionPtr region = host_.find_region(header.region_id);
@@ -402,7 +476,7 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
       if (crc != header.payload_crc) status = wire::AckStatus::kBadCrc;
     }
     host_.chunk_received(header.length, status);
-    send_ack(socket, status, header.seq);
+    acks.add(status, header.seq, header.length);
   }
 }
 

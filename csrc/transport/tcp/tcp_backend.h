@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -67,7 +68,15 @@ class TcpBackend final : public TransferBackend {
   bool run_session(Link& link, Stream& stream, const Socket& socket);
   void read_acks(Link& link, Stream& stream, const Socket& socket, std::atomic<bool>& broken,
                  std::atomic<bool>& progressed, std::string& error);
-  void send_chunk(const Socket& socket, const WriteChunk& chunk, uint64_t seq);
+  // Acts on one ack; `chunk` is empty for an ack of a chunk no longer in flight. Returns
+  // false when the ack says the peer closed the connection.
+  bool settle(Link& link, wire::AckStatus status, std::optional<WriteChunk>& chunk, uint32_t max_retries);
+  struct Outgoing {
+    WriteChunk chunk;
+    uint64_t seq;
+  };
+  // Sends a batch of chunks (each header carrying its payload's CRC32C) in one gather write.
+  void send_chunks(const Socket& socket, const std::vector<Outgoing>& batch);
   // Returns a session's unacknowledged chunks to the queue, or fails their transfers
   // once a chunk is out of retries.
   void requeue_inflight(Link& link, Stream& stream, const std::string& why);
