@@ -4,7 +4,7 @@
 // Every connection to an engine's port starts with the same handshake:
 //   client -> Hello, server -> Challenge, client -> Proof, server -> Result.
 // Then, by Hello::kind:
-//   data connection:    client -> ChunkHeader + payload ...,   server -> Ack per chunk
+//   data connection:    client -> ChunkHeader + payload [+ CRC trailer] ..., server -> Ack per chunk
 //   control connection: both ways ControlHeader + payload (messages, notifications, pings)
 #pragma once
 
@@ -203,7 +203,12 @@ struct Result {
 
 // Precedes each chunk payload on a data connection. The payload goes straight into
 // the destination region; payload_crc covers it, header_crc covers the fields before it.
+// With kCrcTrailer in flags, payload_crc is 0 and the payload's CRC32C follows the
+// payload (4 bytes): a sender can then checksum each slice just before it leaves, while
+// the slice is still in cache, instead of reading the whole chunk twice.
 struct ChunkHeader {
+  static constexpr uint16_t kCrcTrailer = 1;
+  static constexpr size_t kTrailerSize = 4;
   static constexpr size_t kSize = 48;
   static constexpr size_t kCrcCovered = 40;
   uint16_t version = kVersion;
@@ -231,7 +236,8 @@ struct ChunkHeader {
     length = r.get<uint32_t>();
     payload_crc = r.get<uint32_t>();
     const uint32_t header_crc = r.get<uint32_t>();
-    if (magic != kChunkMagic || version != kVersion || header_crc != crc32c(in, kCrcCovered))
+    if (magic != kChunkMagic || version != kVersion || header_crc != crc32c(in, kCrcCovered) ||
+        (flags & ~kCrcTrailer) != 0)
       return AckStatus::kBadHeader;
     if (length > kMaxChunkBytes) return AckStatus::kTooLarge;
     return AckStatus::kOk;

@@ -236,32 +236,56 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
 
 void TcpBackend::send_chunks(const Socket& socket, const std::vector<Outgoing>& batch) {
   std::vector<std::array<uint8_t, wire::ChunkHeader::kSize>> headers(batch.size());
+  std::vector<std::array<uint8_t, wire::ChunkHeader::kTrailerSize>> trailers(batch.size());
   std::vector<std::vector<uint8_t>> corrupted;
   corrupted.reserve(batch.size());
   std::vector<iovec> iov;
-  iov.reserve(2 * batch.size());
+  iov.reserve(2 * batch.size() + 1);
+  const auto flush = [&] {
+    socket.sendv_all(iov.data(), static_cast<int>(iov.size()));
+    iov.clear();
+  };
   for (size_t i = 0; i < batch.size(); ++i) {
     const WriteChunk& chunk = batch[i].chunk;
     const uint8_t* payload = chunk.src->base + chunk.src_offset;
+    const uint8_t* sent = payload;
+    uint32_t pending = corrupt_next_.load();
+    while (pending > 0 && !corrupt_next_.compare_exchange_weak(pending, pending - 1)) {
+    }
+    if (pending > 0) {  // test hook: flip one payload byte; the CRC is taken over the original
+      corrupted.emplace_back(payload, payload + chunk.length);
+      corrupted.back()[chunk.length / 2] ^= 0xFF;
+      sent = corrupted.back().data();
+    }
     wire::ChunkHeader header;
     header.seq = batch[i].seq;
     header.region_id = chunk.dst_region;
     header.offset = chunk.dst_offset;
     header.length = chunk.length;
-    header.payload_crc = crc32c(payload, chunk.length);
+    const bool trailer = chunk.length > kCrcPiece;
+    if (trailer)
+      header.flags = wire::ChunkHeader::kCrcTrailer;
+    else
+      header.payload_crc = crc32c(payload, chunk.length);
     header.encode(headers[i].data());
-    uint32_t pending = corrupt_next_.load();
-    while (pending > 0 && !corrupt_next_.compare_exchange_weak(pending, pending - 1)) {
-    }
-    if (pending > 0) {  // test hook: flip one payload byte after the CRC was taken
-      corrupted.emplace_back(payload, payload + chunk.length);
-      corrupted.back()[chunk.length / 2] ^= 0xFF;
-      payload = corrupted.back().data();
-    }
     iov.push_back({headers[i].data(), headers[i].size()});
-    iov.push_back({const_cast<uint8_t*>(payload), chunk.length});
+    if (!trailer) {
+      iov.push_back({const_cast<uint8_t*>(sent), chunk.length});
+      continue;
+    }
+    // Each slice is checksummed right before the kernel copies it, while it is in cache.
+    uint32_t crc = 0;
+    for (uint64_t done = 0; done < chunk.length;) {
+      const size_t n = std::min<uint64_t>(kCrcPiece, chunk.length - done);
+      crc = crc32c(payload + done, n, crc);
+      iov.push_back({const_cast<uint8_t*>(sent + done), n});
+      flush();
+      done += n;
+    }
+    wire::Writer(trailers[i].data()).put(crc);
+    iov.push_back({trailers[i].data(), trailers[i].size()});
   }
-  socket.sendv_all(iov.data(), static_cast<int>(iov.size()));
+  flush();
 }
 
 void TcpBackend::read_acks(Link& link, Stream& stream, const Socket& socket, std::atomic<bool>& broken,
@@ -453,10 +477,11 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
       status = wire::AckStatus::kUnknownRegion;
     else if (header.offset > region->size || header.length > region->size - header.offset)
       status = wire::AckStatus::kOutOfBounds;
+    const bool trailer = (header.flags & wire::ChunkHeader::kCrcTrailer) != 0;
     if (status != wire::AckStatus::kOk) {
       region.reset();
-      scratch.resize(std::min<size_t>(header.length, kCrcPiece));
-      for (uint64_t left = header.length; left > 0;) {
+      scratch.resize(std::min<size_t>(header.length + wire::ChunkHeader::kTrailerSize, kCrcPiece));
+      for (uint64_t left = header.length + (trailer ? wire::ChunkHeader::kTrailerSize : 0); left > 0;) {
         const size_t n = std::min<uint64_t>(left, scratch.size());
         socket.recv_all(scratch.data(), n);
         left -= n;
@@ -473,7 +498,13 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
         done += n;
       }
       region.reset();
-      if (crc != header.payload_crc) status = wire::AckStatus::kBadCrc;
+      uint32_t expected = header.payload_crc;
+      if (trailer) {
+        uint8_t trailer_bytes[wire::ChunkHeader::kTrailerSize];
+        socket.recv_all(trailer_bytes, sizeof(trailer_bytes));
+        expected = wire::Reader(trailer_bytes).get<uint32_t>();
+      }
+      if (crc != expected) status = wire::AckStatus::kBadCrc;
     }
     host_.chunk_received(header.length, status);
     acks.add(status, header.seq, header.length);

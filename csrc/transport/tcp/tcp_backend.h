@@ -75,7 +75,8 @@ class TcpBackend final : public TransferBackend {
     WriteChunk chunk;
     uint64_t seq;
   };
-  // Sends a batch of chunks (each header carrying its payload's CRC32C) in one gather write.
+  // Sends a batch of chunks: small ones in one gather write with the CRC32C in the header,
+  // a big one slice by slice with the CRC32C in a trailer (see wire::ChunkHeader).
   void send_chunks(const Socket& socket, const std::vector<Outgoing>& batch);
   // Returns a session's unacknowledged chunks to the queue, or fails their transfers
   // once a chunk is out of retries.
