@@ -14,8 +14,8 @@ namespace pddcore::transfer::tcp {
 
 namespace {
 
-// The receiver checks the CRC piece by piece while the bytes are still in cache.
-constexpr size_t kCrcPiece = 256 << 10;
+// CRCs are taken piece by piece while the bytes are still in cache (L2 here is 2+ MiB).
+constexpr size_t kCrcPiece = 1 << 20;
 constexpr uint64_t kMinWindowBytes = 16ull << 20;
 // One sendmsg carries up to this many chunks (or bytes) when they are small.
 constexpr size_t kMaxBatchChunks = 16;
@@ -492,8 +492,9 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
       uint8_t* dst = region->base + header.offset;
       uint32_t crc = 0;
       for (uint64_t done = 0; done < header.length;) {
-        const size_t n = std::min<uint64_t>(kCrcPiece, header.length - done);
-        socket.recv_all(dst + done, n);
+        // Whatever has arrived (up to a piece): the CRC follows each copy while it is hot,
+        // and a backlog is taken in one call.
+        const size_t n = socket.recv_some(dst + done, std::min<uint64_t>(kCrcPiece, header.length - done));
         crc = crc32c(dst + done, n, crc);
         done += n;
       }
