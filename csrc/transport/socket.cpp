@@ -125,6 +125,20 @@ size_t Socket::recv_some(void* data, size_t n) const {
   return got;
 }
 
+size_t Socket::recvv_some(iovec* iov, int count) const {
+  for (;;) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(count);
+    const ssize_t got = ::recvmsg(fd_, &msg, 0);
+    if (got == 0) throw TransferError("connection closed by peer");
+    if (got > 0) return static_cast<size_t>(got);
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) throw TransferError("receive timed out");
+    throw_errno("receive failed", errno);
+  }
+}
+
 bool Socket::recv_frame(void* data, size_t n) const { return frame(data, n, MSG_WAITALL); }
 
 bool Socket::poll_frame(void* data, size_t n) const { return frame(data, n, MSG_DONTWAIT); }

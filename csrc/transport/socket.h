@@ -43,6 +43,8 @@ class Socket {
   bool poll_frame(void* data, size_t n) const;
   // Receives at least one and at most n bytes; returns how many, or throws TransferError.
   size_t recv_some(void* data, size_t n) const;
+  // recv_some scattered over several buffers, filled in order.
+  size_t recvv_some(iovec* iov, int count) const;
 
  private:
   static constexpr size_t kNothingYet = 0;

@@ -457,9 +457,13 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
   socket.set_timeouts(host_.options().timeout_s, host_.options().timeout_s);
   std::vector<uint8_t> scratch;
   AckBatch acks(socket);
+  uint8_t header_bytes[wire::ChunkHeader::kSize];
+  size_t prefetched = 0;  // bytes of the next header that arrived with the last payload
   for (;;) {
-    uint8_t header_bytes[wire::ChunkHeader::kSize];
-    if (acks.empty() || !socket.poll_frame(header_bytes, sizeof(header_bytes))) {
+    if (prefetched > 0) {
+      socket.recv_all(header_bytes + prefetched, sizeof(header_bytes) - prefetched);
+      prefetched = 0;
+    } else if (acks.empty() || !socket.poll_frame(header_bytes, sizeof(header_bytes))) {
       acks.flush();  // nothing more queued: the sender is waiting for these
       if (!socket.recv_frame(header_bytes, sizeof(header_bytes))) continue;  // idle; close() shuts it down
     }
@@ -493,10 +497,16 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
       uint32_t crc = 0;
       for (uint64_t done = 0; done < header.length;) {
         // Whatever has arrived (up to a piece): the CRC follows each copy while it is hot,
-        // and a backlog is taken in one call.
-        const size_t n = socket.recv_some(dst + done, std::min<uint64_t>(kCrcPiece, header.length - done));
+        // and a backlog is taken in one call. The last piece of a chunk without a trailer
+        // also takes the start of the next header: one syscall per small chunk, not two.
+        const size_t want = std::min<uint64_t>(kCrcPiece, header.length - done);
+        iovec iov[2] = {{dst + done, want}, {header_bytes, sizeof(header_bytes)}};
+        const bool last = !trailer && want == header.length - done;
+        const size_t got = socket.recvv_some(iov, last ? 2 : 1);
+        const size_t n = std::min(got, want);
         crc = crc32c(dst + done, n, crc);
         done += n;
+        prefetched = got - n;
       }
       region.reset();
       uint32_t expected = header.payload_crc;
