@@ -15,7 +15,7 @@ from pddcore.testing.relay import WanRelay
 # far more than RLD's eager start, and well below what RLD needs for the 192-token
 # answer (so MD takes over, also on a fast idle machine).
 SCENARIO = dict(turns=2, system_tokens=64, document_tokens=256, user_tokens=16, first_output_tokens=192,
-                output_tokens=12, stagger_s=0.5, think_s=0.1)
+                output_tokens=12, singular_every=0, stagger_s=0.5, think_s=0.1)
 LINK = dict(bandwidth_bps=50e6, delay_ms=20)
 
 
@@ -90,6 +90,9 @@ def test_pdd_routes_and_hands_off(demo):
     for r in demo["runs"]["pdd"]["requests"]:
         roles = "".join(x[0] for x in r["roles"])
         assert roles == "R" * roles.count("R") + "M" * roles.count("M"), (r["rid"], roles)
+    # each handoff moved a request: RLD streamed its start, MD produced tokens after it
+    handed = [r["rid"] for r in demo["runs"]["pdd"]["requests"] if r["roles"][0] == "RLD" and r["roles"][-1] == "MD"]
+    assert len(handed) == pdd["handoffs"]["one_shot"] + pdd["handoffs"]["catch_up"] >= 1, (handed, pdd["handoffs"])
 
 
 def test_pdd_ttft_p90_beats_cross_dc_pd(demo):

@@ -40,7 +40,11 @@ class RunConfig:
     MD once the client got that many tokens from it), ``md_transfer_timeout_s``,
     ``corrupt_handoffs`` (RLD sends that many handoff messages malformed first).
     ``rld_tpot_s`` prices an RLD token as a production RLD slot costs (the router's
-    default), not at this CPU's ~10 ms: RLD capacity is what PDD keeps small."""
+    default), not at this CPU's ~10 ms: RLD capacity is what PDD keeps small.
+    ``ttft_slo_s`` (router default 3 s) is scaled with the demo's link: a fresh document's
+    KV needs ~0.5-1 s on it, as a 64K-token prompt needs several seconds on a
+    10-100 Gbit/s inter-DC link; high-hit turns (MD lacks a few pages) meet it.
+    ``catch_up_threshold`` is :class:`pddcore.handoff.HandoffPolicy`'s default."""
 
     mode: str
     kv_bytes_per_token: float
@@ -51,7 +55,7 @@ class RunConfig:
     ttft_slo_s: float = 0.4
     rld_tpot_s: float = 0.03
     rld_capacity: int = 8
-    catch_up_threshold: int = 24
+    catch_up_threshold: int = 64
     kill_md_after_s: float | None = None
     kill_md_after_tokens: int | None = None
     md_transfer_timeout_s: float | None = None
