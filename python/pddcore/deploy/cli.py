@@ -2,23 +2,27 @@
 
 The default scenario is sized so the effect PDD targets is visible on one small box: an
 emulated WAN of 100 Mbit/s with 25 ms one-way delay, and the embedded model in float64
-(8 KiB of KV per token, 4 layers x 2 KV heads x 64 dims x K,V x 8 bytes). A fresh 800-token
-document then needs ~0.5 s on the WAN, about as long as its prefill here: the same
-ratio as a 64K-token prompt on a 10-100 Gbit/s inter-DC link next to a GPU prefill.
+(8 KiB of KV per token, 4 layers x 2 KV heads x 64 dims x K,V x 8 bytes). A fresh 700-token
+context then needs ~0.5 s on the WAN (a 1400-token one ~1 s), about as long as its prefill
+here: the same ratio as a 64K-token prompt on a 10-100 Gbit/s inter-DC link next to a
+GPU prefill. The router's settings the demo changes are printed with their reasons.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
 
 from .. import __version__
+from ..router import RouterConfig
+from .cluster import RunConfig
 from .demo import kv_bytes_per_token, run_demo, vocab_size
 from .network import Network
 from .report import format_table, plot_ttft_cdf
-from .trace import agentic_trace
+from .trace import Scenario, agentic_trace
 
 LABELS = {"pd": "cross-DC PD", "pdd": "PDD"}
 
@@ -34,6 +38,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                              "WAN emulator could run")
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of the TTFT CDFs")
+
+
+def _why(scenario: Scenario, bpt: float, bandwidth_bps: float) -> str:
+    """The scenario's rationale, with the numbers of this run's model, link and trace."""
+    fresh = sorted({len(s.first_context) for s in scenario.sessions})
+    wan = ", ".join(f"a {n}-token context {n * bpt * 8 / bandwidth_bps:.2f} s" for n in fresh)
+    singular = min(o for s in scenario.sessions for o in s.outputs)
+    run = RunConfig("pdd", kv_bytes_per_token=bpt)
+    router = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    return (f"KV is {bpt / 1024:g} KiB per token, so fresh context crosses this link slowly ({wan}, + RTTs); "
+            f"with the defaults (embedded float64 model, 100 Mbit/s) that is about the document's prefill time "
+            f"on a small CPU: the WAN-to-prefill ratio of a 64K-token prompt on a 10-100 Gbit/s inter-DC link "
+            f"next to a GPU prefill. Agentic sessions open with a fresh document and a long answer: RLD starts "
+            f"it at once, MD takes over when the KV has landed (one-shot handoff, or catch-up when RLD's "
+            f"backlog exceeds {run.catch_up_threshold} tokens, the HandoffPolicy default); their follow-up "
+            f"turns hit MD's radix cache > 95 % and go P_MD; singular requests (a {singular}-token answer) "
+            f"finish on RLD alone. Router (pddcore.router.Router): ttft_slo_s {run.ttft_slo_s:g} s instead of "
+            f"the default {router['ttft_slo_s']:g} s, scaled with the link (a fresh document's KV takes longer, "
+            f"a follow-up's missing pages far less), rld_tpot_s {run.rld_tpot_s:g} s (default "
+            f"{router['rld_tpot_s']:g}: a production RLD slot, not this CPU's ~10 ms), min_md_tokens "
+            f"{router['min_md_tokens']} and wan_value_ratio {router['wan_value_ratio']:g} (defaults).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,13 +81,7 @@ def run(args: argparse.Namespace) -> int:
     with Network(args.bandwidth * 1e6, args.delay_ms, args.jitter_ms, force_relay=args.relay) as network:
         print(f"pddcore {__version__} demo: {scenario.num_requests} requests of an agentic trace "
               f"({len(scenario.sessions)} sessions), WAN {network.describe()}")
-        bpt = kv_bytes_per_token(model)
-        document = len(scenario.sessions[0].first_context)
-        print(f"why this scenario: KV is {bpt / 1024:g} KiB per token, so a fresh {document}-token document "
-              f"needs {document * bpt * 8 / (args.bandwidth * 1e6):.2f} s on this link (+ RTTs). The defaults "
-              f"(embedded float64 model, 100 Mbit/s) make that about the document's prefill time on a small "
-              f"CPU: the WAN-to-prefill ratio of a 64K-token prompt on a 10-100 Gbit/s inter-DC link next to "
-              f"a GPU prefill. Most follow-up turns hit MD's radix cache > 95 %.")
+        print("why this scenario: " + _why(scenario, kv_bytes_per_token(model), args.bandwidth * 1e6))
         result = run_demo(scenario, network, model=model, overrides=overrides, progress=progress)
     for bar in bars.values():
         bar.close()
