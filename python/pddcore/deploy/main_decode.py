@@ -124,6 +124,10 @@ class MainDecode:
         seq, cached = cached_prefix(pool, self.cache, lookup.context[:lookup.cached])
         self.cache.unlock(lookup.node)
         with_room(pool, self.cache, lambda: land_kv(pool, seq, note, self.node.staging))
+        # The context's whole pages are final now: share them at once (the system prompt, the
+        # session so far), not only when this request finishes, so requests arriving meanwhile
+        # do not make P send them again.
+        cache_sequence(pool, self.cache, lookup.context, seq)
         self.node.to_hub("staging_free", "md", note.offset)
         self.contexts[note.rid] = lookup.context
         self.node.to_hub("md_ready", note.rid)
