@@ -7,7 +7,7 @@ by the token-id handoff. The session then goes on for several turns whose contex
 the previous context plus the previous answer plus a short new user message (high-hit:
 MD's radix cache holds the previous turn, answer included, so over 95 % of the context
 is cached there); these go to MD directly. Opening documents cycle through
-``document_tokens``: the longer ones take long enough on the WAN that RLD's backlog
+``document_tokens``: the longer one takes long enough on the WAN that RLD's backlog
 exceeds the handoff's catch-up threshold. Between the agentic sessions come singular
 requests: one turn with a fresh document and an ultra-short answer (a classification,
 a tool choice) that RLD finishes alone. Token ids are drawn from a seeded generator, so
@@ -46,7 +46,7 @@ class Scenario:
 
 
 def agentic_trace(num_requests: int = 24, *, vocab_size: int = 4096, turns: int = 5, system_tokens: int = 128,
-                  document_tokens: int | Sequence[int] = (1280, 576), user_tokens: int = 16,
+                  document_tokens: int | Sequence[int] = (1280, 512, 512, 512), user_tokens: int = 16,
                   output_tokens: int = 64, first_output_tokens: int = 384, singular_every: int = 2,
                   singular_output_tokens: int = 4, stagger_s: float = 1.5, think_s: float = 0.3,
                   seed: int = 0) -> Scenario:
