@@ -52,7 +52,7 @@ class RunConfig:
     page_size: int = 16
     pool_pages: int = 1536
     staging_bytes: int = 48 << 20
-    ttft_slo_s: float = 0.3
+    ttft_slo_s: float = 0.2
     rld_tpot_s: float = 0.03
     rld_capacity: int = 8
     catch_up_threshold: int = 64

@@ -46,7 +46,7 @@ class Scenario:
 
 
 def agentic_trace(num_requests: int = 24, *, vocab_size: int = 4096, turns: int = 5, system_tokens: int = 128,
-                  document_tokens: int | Sequence[int] = (1280, 512, 512, 512), user_tokens: int = 16,
+                  document_tokens: int | Sequence[int] = (1280, 384, 512, 384), user_tokens: int = 16,
                   output_tokens: int = 64, first_output_tokens: int = 384, singular_every: int = 2,
                   singular_output_tokens: int = 4, stagger_s: float = 1.5, think_s: float = 0.3,
                   seed: int = 0) -> Scenario:
