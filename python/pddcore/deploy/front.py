@@ -75,6 +75,7 @@ class Front:
         self.wan_bytes = 0
         self.md_tokens = 0
         self.md_token_milestone = config.get("md_token_milestone")
+        self.route_reasons: dict[str, str] = {}
 
     def _accept(self) -> None:
         while True:
@@ -166,6 +167,8 @@ class Front:
                 prompt_tokens=len(req.context), md_cached_tokens=cached, wan_bytes_per_s=link.bytes_per_s,
                 wan_rtt_s=link.rtt_s, max_output_tokens=req.max_new_tokens, rld_load=rld_load))
             pipeline = route.pipeline
+            self.route_reasons[rid] = (f"{route.reason} (link estimate {link.bytes_per_s * 8 / 1e6:.0f} Mbit/s, "
+                                       f"RTT {link.rtt_s * 1e3:.0f} ms)")
             if pipeline is Pipeline.RLD_ONLY:
                 self.send("MD", "release", rid)
         self.dispatch(req, pipeline)
@@ -273,7 +276,8 @@ class Front:
                                      "sources": {rid: r.sources for rid, r in self.requests.items()},
                                      "pipelines": {rid: r.pipeline.value if r.pipeline else None
                                                    for rid, r in self.requests.items()},
-                                     "md_cached": {rid: r.md_cached for rid, r in self.requests.items()}})
+                                     "md_cached": {rid: r.md_cached for rid, r in self.requests.items()},
+                                     "route_reasons": self.route_reasons})
 
     # ---- faults ---------------------------------------------------------------------------
     def md_lost(self) -> None:
