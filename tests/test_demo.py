@@ -135,6 +135,24 @@ def test_md_transfer_timeout_stays_on_rld():
     assert set(first["roles"]) == {"RLD"}
 
 
+def test_default_trace_mix():
+    """The default scenario: agentic sessions (long first answer on a fresh document, then
+    high-hit short turns) alternate with stand-alone singular requests."""
+    trace = agentic_trace()
+    assert trace.num_requests == 24
+    singular = [s for s in trace.sessions if len(s.outputs) == 1]
+    agentic = [s for s in trace.sessions if len(s.outputs) > 1]
+    assert len(singular) == 4 and all(s.outputs == (4,) and not s.followups for s in singular)
+    assert [len(s.first_context) - 128 - 16 for s in agentic] == [1280, 384, 512, 384]
+    assert all(s.outputs == (384, 64, 64, 64, 64) and len(s.followups) == 4 for s in agentic)
+    assert len({s.first_context[:128] for s in trace.sessions}) == 1     # one shared system prompt
+    assert agentic_trace(3, singular_every=0, document_tokens=100).num_requests == 3
+    with pytest.raises(ValueError, match="singular_every"):
+        agentic_trace(singular_every=-1)
+    with pytest.raises(ValueError, match="document"):
+        agentic_trace(document_tokens=())
+
+
 def test_range_allocator_reuses_and_merges():
     ranges = RangeAllocator(1024, align=64)
     a, b, c = ranges.alloc(100), ranges.alloc(64), ranges.alloc(256)
