@@ -447,7 +447,11 @@ void Engine::chunk_applied(const WriteChunk& chunk) {
     active.peer->last_ack_ns = t->last_progress_ns.load();
     active.peer->bytes_sent += chunk.length;
     ++active.peer->chunks_sent;
-    if (t->bytes_acked.fetch_add(chunk.length) + chunk.length == t->total_bytes) completed = std::move(active);
+    if (t->bytes_acked.fetch_add(chunk.length) + chunk.length == t->total_bytes) {
+      // Leave no moved-from entry behind: the watchdog and close() walk active_.
+      completed = std::move(active);
+      active_.erase(it);
+    }
   }
   bytes_sent_ += chunk.length;
   ++chunks_sent_;
