@@ -11,7 +11,7 @@ from .. import unpack
 from ..model import Model, KVPool, SamplerState, SamplingParams, SequenceKV, sample
 from .wire import KvReady
 
-__all__ = ["Running", "DecodeLoop", "land_kv"]
+__all__ = ["Running", "DecodeLoop", "DecodeRole", "land_kv"]
 
 
 @dataclass
@@ -79,3 +79,21 @@ class DecodeLoop:
         event = (r.rid, r.next_index, tok)
         r.outputs.append(tok)
         return event
+
+
+class DecodeRole:
+    """The event loop RLD and MD share: the front's messages, then the priority lane
+    (without blocking while requests are decoding), then one decode step.
+
+    Subclasses provide ``node``, ``loop``, ``handle_front(msg)``, ``handle_lane(payload)``
+    and ``decode()``.
+    """
+
+    def serve(self) -> None:
+        while True:
+            for msg in self.node.hub_messages():
+                self.handle_front(msg)
+            busy = bool(self.loop.running)
+            for _, payload in self.node.engine.poll_messages(0 if busy else 0.005):
+                self.handle_lane(payload)
+            self.decode()

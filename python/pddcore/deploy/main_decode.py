@@ -24,7 +24,7 @@ from ..handoff import Handoff, HandoffAssembler, HandoffError
 from ..radix import RadixCache, RadixNode
 from ..transfer import Peer, TransferError
 from . import wire
-from .decoding import DecodeLoop, Running, land_kv
+from .decoding import DecodeLoop, DecodeRole, Running, land_kv
 from .node import Node, cache_sequence, cached_prefix, with_room
 
 __all__ = ["serve"]
@@ -48,7 +48,7 @@ class _Awaiting:
     logits: torch.Tensor | None = None
 
 
-class MainDecode:
+class MainDecode(DecodeRole):
     def __init__(self, config: dict):
         self.node = Node("MD", config)
         self.page_size = config["page_size"]
@@ -60,15 +60,6 @@ class MainDecode:
         self.awaiting: dict[str, _Awaiting] = {}
         self.contexts: dict[str, list[int]] = {}
         self.keep_only: set[str] = set()  # finished on RLD before their KV landed here
-
-    def serve(self) -> None:
-        while True:
-            for msg in self.node.hub_messages():
-                self.handle_front(msg)
-            busy = bool(self.loop.running)
-            for _, payload in self.node.engine.poll_messages(0 if busy else 0.005):
-                self.handle_lane(payload)
-            self.decode()
 
     # ---- front --------------------------------------------------------------------------
     def handle_front(self, msg: tuple) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..handoff import FINAL, Handoff, HandoffMode, HandoffPolicy, HandoffState, SamplerState
 from ..transfer import Peer, TransferError
 from . import wire
-from .decoding import DecodeLoop, Running, land_kv
+from .decoding import DecodeLoop, DecodeRole, Running, land_kv
 from .node import Node
 
 __all__ = ["serve"]
@@ -37,7 +37,7 @@ class _Relay:
     sent: list[bytes] = field(default_factory=list)
 
 
-class RelayDecode:
+class RelayDecode(DecodeRole):
     def __init__(self, config: dict):
         self.node = Node("RLD", config)
         self.loop = DecodeLoop(self.node.model)
@@ -50,15 +50,6 @@ class RelayDecode:
         self.unconfirmed: dict[str, list[bytes]] = {}  # handed off, MD has not taken over yet
         self.corrupt_left = config.get("corrupt_handoffs", 0)
         self.early_ready: set[str] = set()
-
-    def serve(self) -> None:
-        while True:
-            for msg in self.node.hub_messages():
-                self.handle_front(msg)
-            busy = bool(self.loop.running)
-            for _, payload in self.node.engine.poll_messages(0 if busy else 0.005):
-                self.handle_lane(payload)
-            self.decode()
 
     def handle_front(self, msg: tuple) -> None:
         kind = msg[0]
