@@ -175,7 +175,9 @@ def test_module_docstring_example_runs():
     import pddcore.model
 
     example = pddcore.model.__doc__.split("Example (")[1].split("::\n", 1)[1]
-    exec(compile(textwrap.dedent(example), "pddcore.model docstring", "exec"), {})
+    namespace: dict = {}
+    exec(compile(textwrap.dedent(example), "pddcore.model docstring", "exec"), namespace)
+    assert len(namespace["out"]) == 5  # the example itself asserts MD continued exactly as RLD
 
 
 def test_generate_greedy_equals_argmax_of_full_forwards(model):
