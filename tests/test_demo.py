@@ -104,7 +104,8 @@ def test_md_killed_and_malformed_handoff():
     """MD dies mid-run: requests it owned are resumed on RLD, the others stay there, and
     every output is still exact. The first handoff arrives malformed: MD rejects it, RLD
     re-sends, and that request completes too."""
-    scenario = agentic_trace(4, **{**SCENARIO, "output_tokens": 48})
+    # Follow-up answers long enough that MD is still streaming one when it is killed.
+    scenario = agentic_trace(4, **{**SCENARIO, "output_tokens": 160})
     with Network(**LINK) as net:
         result = run_demo(scenario, net, modes=("pdd",),
                           overrides={"pdd": {"kill_md_after_tokens": 10, "corrupt_handoffs": 1}})
