@@ -290,46 +290,54 @@ void bad_lkey() {
   CHECK(V.dereg_mr(smr) == 0 && V.dereg_mr(dmr) == 0);
 }
 
+// A 64-byte source registered on `a` and a remotely writable 64-byte target on `b`.
+struct WritePair {
+  std::vector<uint8_t> src = std::vector<uint8_t>(64, 1), dst = std::vector<uint8_t>(64);
+  ibv_mr* smr;
+  ibv_mr* dmr;
+  ibv_sge sge;
+  WritePair(Node& a, Node& b)
+      : smr(V.reg_mr(a.pd, src.data(), 64, IBV_ACCESS_LOCAL_WRITE)),
+        dmr(V.reg_mr(b.pd, dst.data(), 64, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE)),
+        sge{reinterpret_cast<uint64_t>(src.data()), 64, smr->lkey} {}
+  ibv_send_wr wr(bool signaled, uint64_t wr_id) {
+    return write_wr(&sge, reinterpret_cast<uint64_t>(dst.data()), dmr->rkey, false, signaled, wr_id);
+  }
+  void release() { CHECK(V.dereg_mr(smr) == 0 && V.dereg_mr(dmr) == 0); }
+};
+
 void selective_signaling() {
   Node a(4), b;
   connect(a, b);
-  std::vector<uint8_t> src(64, 1), dst(64);
-  ibv_mr* smr = V.reg_mr(a.pd, src.data(), 64, IBV_ACCESS_LOCAL_WRITE);
-  ibv_mr* dmr = V.reg_mr(b.pd, dst.data(), 64, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-  ibv_sge s{reinterpret_cast<uint64_t>(src.data()), 64, smr->lkey};
+  WritePair pair(a, b);
   ibv_send_wr* bad = nullptr;
-  const uint64_t raddr = reinterpret_cast<uint64_t>(dst.data());
   // Four unsignaled WRs hold all four slots even after they completed on the wire.
   for (int i = 0; i < 4; ++i) {
-    ibv_send_wr w = write_wr(&s, raddr, dmr->rkey, false, false, i);
+    ibv_send_wr w = pair.wr(false, i);
     CHECK(V.post_send(a.qp, &w, &bad) == 0);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  ibv_send_wr w = write_wr(&s, raddr, dmr->rkey, false, true, 99);
+  ibv_send_wr w = pair.wr(true, 99);
   CHECK(V.post_send(a.qp, &w, &bad) == ENOMEM);
   expect_no_more(a.cq);
-  CHECK(V.dereg_mr(smr) == 0 && V.dereg_mr(dmr) == 0);
+  pair.release();
 }
 
 void signaled_frees_slots() {
   Node a(4), b;
   connect(a, b);
-  std::vector<uint8_t> src(64, 1), dst(64);
-  ibv_mr* smr = V.reg_mr(a.pd, src.data(), 64, IBV_ACCESS_LOCAL_WRITE);
-  ibv_mr* dmr = V.reg_mr(b.pd, dst.data(), 64, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-  ibv_sge s{reinterpret_cast<uint64_t>(src.data()), 64, smr->lkey};
+  WritePair pair(a, b);
   ibv_send_wr* bad = nullptr;
-  const uint64_t raddr = reinterpret_cast<uint64_t>(dst.data());
   for (int round = 0; round < 3; ++round) {
     for (int i = 0; i < 4; ++i) {
-      ibv_send_wr w = write_wr(&s, raddr, dmr->rkey, false, i == 3, round * 10 + i);
+      ibv_send_wr w = pair.wr(i == 3, round * 10 + i);
       CHECK(V.post_send(a.qp, &w, &bad) == 0);
     }
     auto wcs = poll_n(a.cq, 1);
     CHECK(wcs[0].status == IBV_WC_SUCCESS && wcs[0].wr_id == static_cast<uint64_t>(round * 10 + 3));
   }
   expect_no_more(a.cq);
-  CHECK(V.dereg_mr(smr) == 0 && V.dereg_mr(dmr) == 0);
+  pair.release();
 }
 
 // The responder QP is destroyed (its process vanished): writes end in a transport retry error
