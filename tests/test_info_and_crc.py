@@ -21,24 +21,53 @@ def crc32c_bitwise(data: bytes, crc: int = 0) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-def test_crc32c_known_vector():
-    assert _C.crc32c(b"123456789") == 0xE3069283
-    assert _C.crc32c(b"") == 0
+IMPLEMENTATIONS = _C.crc32c_implementations()
 
 
+def test_every_cpu_offers_the_table_and_the_default_is_offered():
+    assert "table" in IMPLEMENTATIONS
+    assert _C.crc32c_implementation() in IMPLEMENTATIONS
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_crc32c_known_vector(impl):
+    assert _C.crc32c(b"123456789", implementation=impl) == 0xE3069283
+    assert _C.crc32c(b"", implementation=impl) == 0
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @settings(max_examples=60, deadline=None)
-@given(st.binary(max_size=300), st.binary(max_size=40))
-def test_crc32c_matches_bitwise_reference_and_chains(a, b):
-    assert _C.crc32c(a) == crc32c_bitwise(a)
-    assert _C.crc32c(b, _C.crc32c(a)) == _C.crc32c(a + b)
+@given(a=st.binary(max_size=700), b=st.binary(max_size=300))
+def test_crc32c_matches_bitwise_reference_and_chains(impl, a, b):
+    assert _C.crc32c(a, implementation=impl) == crc32c_bitwise(a)
+    assert _C.crc32c(b, _C.crc32c(a, implementation=impl), implementation=impl) == crc32c_bitwise(a + b)
 
 
-@pytest.mark.parametrize("size", [3 * 4096 - 1, 3 * 4096, 2 * 3 * 4096 + 13])
-def test_crc32c_interleaved_path_matches_reference(size):
-    # Sizes around the 3 x 4 KiB stripes of the interleaved hardware path.
-    data = bytes(random.Random(size).getrandbits(8) for _ in range(size))
-    assert _C.crc32c(data) == crc32c_bitwise(data)
-    assert _C.crc32c(data[5:], _C.crc32c(data[:5])) == _C.crc32c(data)
+# Around the 3 x 4 KiB stripes of the interleaved path and the 256-byte rounds and
+# 64-byte blocks of the folding path, at odd start offsets.
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("size", [255, 256, 257, 319, 320, 511, 577, 3 * 4096 - 1, 3 * 4096, 2 * 3 * 4096 + 13])
+def test_crc32c_block_boundaries_match_reference(impl, size):
+    data = random.Random(size).randbytes(size + 3)
+    for offset in (0, 3):
+        piece = data[offset:offset + size]
+        expected = crc32c_bitwise(piece)
+        assert _C.crc32c(piece, implementation=impl) == expected
+        assert _C.crc32c(piece[5:], _C.crc32c(piece[:5], implementation=impl), implementation=impl) == expected
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_crc32c_large_buffers_agree_with_the_table(impl):
+    rng = random.Random(7)
+    for size in (1 << 20, (1 << 20) + 191, 3 * 65536 + 64 * 3 + 17):
+        data = rng.randbytes(size)
+        seed = rng.getrandbits(32)
+        assert _C.crc32c(data, seed, implementation=impl) == _C.crc32c(data, seed, implementation="table")
+
+
+def test_crc32c_implementation_names_are_checked():
+    with pytest.raises(ValueError, match="unknown CRC32C implementation 'crc64'.*'table'"):
+        _C.crc32c(b"x", implementation="crc64")
 
 
 def test_info_json_reports_build_and_runtime_facts():

@@ -1,6 +1,7 @@
 // pddcore._C: exports only. Logic lives in csrc/kv, csrc/transport and the headers.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -83,9 +84,18 @@ NB_MODULE(_C, m) {
 
   m.def(
       "crc32c",
-      [](nb::bytes data, uint32_t crc) { return crc32c(data.c_str(), data.size(), crc); },
-      nb::arg("data"), nb::arg("crc") = 0);
-  m.def("crc32c_hardware", &crc32c_hardware);
+      [](nb::bytes data, uint32_t crc, std::optional<std::string> implementation) {
+        return crc32c_with(implementation ? crc32c_impl_named(*implementation) : crc32c_best(), data.c_str(),
+                           data.size(), crc);
+      },
+      nb::arg("data"), nb::arg("crc") = 0, nb::arg("implementation") = nb::none());
+  m.def("crc32c_implementation", [] { return std::string(crc32c_name(crc32c_best())); });
+  m.def("crc32c_implementations", [] {
+    std::vector<std::string> names;
+    for (Crc32cImpl impl : kCrc32cImpls)
+      if (crc32c_supported(impl)) names.emplace_back(crc32c_name(impl));
+    return names;
+  });
 
   bind_transfer(m);
 

@@ -27,7 +27,7 @@ def collect() -> dict:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "cpu_pack_threads": _C.get_num_threads(),
-        "crc32c_hardware": _C.crc32c_hardware(),
+        "crc32c": _C.crc32c_implementation(),
         "cuda_compiled": _C.cuda_compiled(),
         "cuda_usable": cuda_reason == "",
         "cuda_detail": cuda_reason or f"{_C.cuda_device_count()} device(s)",
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     yes = lambda b: "yes" if b else "no"  # noqa: E731
     print(f"pddcore {facts['pddcore']}  (python {facts['python']}, {facts['machine']}, {facts['cpu_count']} cores)")
     print(f"  CPU pack/unpack   : yes, {facts['cpu_pack_threads']} threads")
-    print(f"  CRC32C            : {'SSE4.2' if facts['crc32c_hardware'] else 'table (no SSE4.2)'}")
+    print(f"  CRC32C            : {facts['crc32c']} (this CPU can run: {', '.join(_C.crc32c_implementations())})")
     print(f"  CUDA compiled     : {yes(facts['cuda_compiled'])}")
     print(f"  CUDA usable       : {yes(facts['cuda_usable'])} ({facts['cuda_detail']})")
     print(f"  ibverbs           : {'loaded' if facts['ibverbs_loaded'] else 'absent'}, "
