@@ -1,5 +1,6 @@
 """TransferEngine throughput against a raw-socket baseline on loopback, and through the
-WAN emulator against the line rate, with priority-lane latency under load.
+WAN emulator against the line rate, with priority-lane latency under load; the chunk
+checksum (CRC32C) against a memcpy.
 
     flock /tmp/pddcore-bench.lock python -m pytest bench/bench_transfer.py --benchmark-only -s
 
@@ -10,7 +11,7 @@ exists, goodput against its line rate; the WAN cases are tcp-only.
 
 import pytest
 
-from pddcore.benchmarks import rdma_cases, transfer_cases
+from pddcore.benchmarks import crc_cases, rdma_cases, transfer_cases
 from pddcore.testing.wan import unavailable_reason
 
 
@@ -24,6 +25,13 @@ def test_loopback_vs_raw_socket(benchmark, backend):
     benchmark.extra_info["cases"] = [r.as_dict() for r in results]
     print("\n" + transfer_cases.format_loopback(results))
     assert all(r.engine_gbps > 0 and r.raw_gbps > 0 for r in results)
+
+
+def test_crc32c_vs_memcpy(benchmark):
+    results = benchmark.pedantic(crc_cases.crc32c_rates, rounds=1, iterations=1)
+    benchmark.extra_info["cases"] = [r.as_dict() for r in results]
+    print("\n" + crc_cases.format_table(results))
+    assert all(r.crc_gbps > 0 and r.memcpy_gbps > 0 for r in results)
 
 
 def test_rdma_vs_line_rate(benchmark, backend):

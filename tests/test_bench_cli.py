@@ -9,7 +9,8 @@ import os
 import pytest
 
 from pddcore import bench_cli
-from pddcore.benchmarks import extend_cases, handoff_cases
+from pddcore import _C
+from pddcore.benchmarks import crc_cases, extend_cases, handoff_cases
 from pddcore.cli import main
 from pddcore.testing.wan import unavailable_reason
 
@@ -47,6 +48,14 @@ def test_cli_rejects_unknown_case(tmp_path):
     with pytest.raises(SystemExit, match="nosuch"):
         main(["bench", "--cases", "pack,nosuch", "--out", str(tmp_path)])
     assert not os.path.exists(tmp_path / "results.json")
+
+
+def test_crc_rates_cover_every_implementation():
+    results = crc_cases.crc32c_rates(1 << 20)
+    in_cache = [r.implementation for r in results if r.where == "in cache"]
+    assert in_cache == _C.crc32c_implementations()
+    assert all(r.crc_gbps > 0 and r.memcpy_gbps > 0 for r in results)
+    assert "from memory" in crc_cases.format_table(results)
 
 
 def test_extend_sweep_points_and_plot(tmp_path):

@@ -30,7 +30,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from .benchmarks import extend_cases, handoff_cases, pack_cases, radix_cases, rdma_cases, transfer_cases
+from .benchmarks import crc_cases, extend_cases, handoff_cases, pack_cases, radix_cases, rdma_cases, transfer_cases
 
 CASES = ("pack", "transfer", "wan", "handoff", "extend", "radix")
 
@@ -93,6 +93,11 @@ def case_transfer(quick: bool, backend: str) -> CaseOutput:
                 "raw socket", r.raw_gbps, "GB/s") for r in results]
     data = {"backend": label, "points": [r.as_dict() for r in results]}
     text = transfer_cases.format_loopback(results)
+    crc = crc_cases.crc32c_rates((64 << 20) if quick else (256 << 20))
+    data["crc32c"] = [r.as_dict() for r in crc]
+    rows += [Row("transfer", f"crc32c {r.implementation}, {r.where}", r.crc_gbps, "memcpy", r.memcpy_gbps, "GB/s")
+             for r in crc if r.implementation != "table"]
+    text += "\n\n" + crc_cases.format_table(crc)
     if backend == "rdma" and rdma_cases.nic_line_rate() is not None:
         line = rdma_cases.rdma_vs_line_rate(nbytes=(256 << 20) if quick else (1 << 30))
         data["line_rate"] = line.as_dict()
