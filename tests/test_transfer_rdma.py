@@ -11,10 +11,8 @@ need a real NIC skip with the reason ibverbs gives.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import struct
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -27,11 +25,11 @@ from pddcore import _C
 from pddcore.info import collect
 from pddcore.transfer import TransferEngine, TransferError
 
+import cpp_unit
 from test_transfer_tcp import python_handshake
 
 pytestmark = pytest.mark.skipif(not _C.rdma_compiled(), reason="rdma backend compiled out (no ibverbs headers)")
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 TOKEN = b"rdma-token"
 
@@ -61,24 +59,16 @@ EMULATOR_CASES = ["state_machine", "write_chain", "bad_rkey", "out_of_range", "b
 
 @pytest.fixture(scope="module")
 def emulator_test_binary(tmp_path_factory) -> Path:
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler to build the emulator unit tests")
-    out = tmp_path_factory.mktemp("emu") / "verbs_emulator_test"
-    sources = ["tests/cpp/verbs_emulator_test.cpp", "csrc/transport/rdma/emulator/verbs_emulator.cpp",
-               "csrc/transport/socket.cpp"]
-    subprocess.run([compiler, "-std=c++17", "-O1", "-Icsrc/include", "-Icsrc", *sources, "-o", str(out), "-pthread"],
-                   cwd=ROOT, check=True)
-    listed = subprocess.run([str(out)], capture_output=True, text=True, check=True).stdout.split()
-    assert sorted(listed) == sorted(EMULATOR_CASES)  # every C++ case runs here
-    return out
+    binary = cpp_unit.build(tmp_path_factory.mktemp("emu"), "verbs_emulator_test",
+                            ["tests/cpp/verbs_emulator_test.cpp", "csrc/transport/rdma/emulator/verbs_emulator.cpp",
+                             "csrc/transport/socket.cpp"])
+    assert sorted(cpp_unit.cases(binary)) == sorted(EMULATOR_CASES)  # every C++ case runs here
+    return binary
 
 
 @pytest.mark.parametrize("case", EMULATOR_CASES)
 def test_verbs_emulator(emulator_test_binary, case):
-    run = subprocess.run([str(emulator_test_binary), case], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == f"ok {case}"
+    cpp_unit.run_case(emulator_test_binary, case)
 
 
 # ---- device selection and errors -----------------------------------------------------------

@@ -42,7 +42,8 @@ void bind_transfer(nb::module_& m) {
           "__init__",
           [](Engine* self, const std::string& backend, const std::string& host, uint16_t port, uint32_t streams,
              uint32_t chunk_bytes, std::optional<nb::bytes> auth_token, double timeout_s, double rate_limit_bps,
-             uint32_t max_retries, const std::string& rdma_device, uint8_t ib_port, int gid_index) {
+             uint32_t max_retries, const std::string& rdma_device, uint8_t ib_port, int gid_index,
+             double queue_delay_target_s) {
             EngineOptions o;
             o.backend = backend;
             o.listen_host = host;
@@ -53,6 +54,7 @@ void bind_transfer(nb::module_& m) {
             if (auth_token) o.auth_token = to_string(*auth_token);
             o.timeout_s = timeout_s;
             o.rate_limit_bps = rate_limit_bps;
+            o.queue_delay_target_s = queue_delay_target_s;
             o.max_retries = max_retries;
             o.rdma_device = rdma_device;
             o.ib_port = ib_port;
@@ -62,7 +64,8 @@ void bind_transfer(nb::module_& m) {
           },
           nb::arg("backend"), nb::arg("host"), nb::arg("port"), nb::arg("streams"), nb::arg("chunk_bytes"),
           nb::arg("auth_token").none(), nb::arg("timeout_s"), nb::arg("rate_limit_bps"), nb::arg("max_retries"),
-          nb::arg("rdma_device") = "", nb::arg("ib_port") = 1, nb::arg("gid_index") = -1)
+          nb::arg("rdma_device") = "", nb::arg("ib_port") = 1, nb::arg("gid_index") = -1,
+          nb::arg("queue_delay_target_s") = 0.0)
       .def_prop_ro("address", &Engine::address)
       .def_prop_ro("engine_id", &Engine::engine_id)
       .def_prop_ro("backend", &Engine::backend_name)

@@ -24,6 +24,7 @@ Engine::Engine(EngineOptions options) : options_(std::move(options)) {
     throw std::invalid_argument("chunk_bytes must be in [1, " + std::to_string(wire::kMaxChunkBytes) + "]");
   if (!(options_.timeout_s > 0)) throw std::invalid_argument("timeout_s must be positive");
   if (options_.rate_limit_bps < 0) throw std::invalid_argument("rate_limit_bps must be positive or 0 (unlimited)");
+  if (options_.queue_delay_target_s < 0) throw std::invalid_argument("queue_delay_target_s must be positive or 0 (off)");
   uint16_t port = 0;
   listener_ = listen_tcp({options_.listen_host, options_.listen_port}, &port);
   address_ = format_address({options_.listen_host, port});
@@ -618,6 +619,7 @@ std::map<std::string, StatsMap> Engine::peer_stats() const {
     s["seconds_busy"] += double(busy_ns) * 1e-9;
     s["rtt_s"] = std::max(s["rtt_s"], double(peer->rtt_ns) * 1e-9);
     s["connected"] = std::max(s["connected"], peer->alive ? 1.0 : 0.0);
+    peer->backend->add_peer_stats(peer->info.key, s);
   }
   for (auto& [address, s] : out) s["throughput_bps"] = s["seconds_busy"] > 0 ? s["bytes_sent"] * 8 / s["seconds_busy"] : 0;
   return out;

@@ -231,6 +231,13 @@ class TransferEngine:
         timeout_s: connect/handshake deadline, and how long a peer may acknowledge
             nothing before its transfers fail.
         rate_limit_bps: pace all outgoing data below this many bits per second (None: no limit).
+        queue_delay_target_s: tcp: pace each peer's bulk data to its path, so that the queue
+            it builds at the bottleneck stays below about this many seconds (None: off).
+            The engine learns the path's rate from what the kernel reports delivered and
+            backs off when the data connections' RTT rises above the path's minimum
+            (delay-based, in the spirit of LEDBAT). Priority messages then see close to idle
+            latency while bulk transfers run, without configuring the line rate; the cost is
+            a few percent of throughput. A few ms suits a WAN; stats() shows the pacer.
         max_retries: resends of one chunk, and reconnects of one stream, before failing.
         device: rdma only: device name (e.g. ``"mlx5_0"``; None: the first one, or the verbs
             emulator when ``PDDCORE_VERBS=emulator``; ``"emulator"``: the verbs emulator).
@@ -245,7 +252,7 @@ class TransferEngine:
     def __init__(self, backend: str = "tcp", listen: str = "127.0.0.1:0", *, streams: int = 4,
                  chunk_bytes: int = 1 << 20, auth_token: bytes | str | None = None, timeout_s: float = 30.0,
                  rate_limit_bps: float | None = None, max_retries: int = 5, device: str | None = None,
-                 ib_port: int = 1, gid_index: int | None = None):
+                 ib_port: int = 1, gid_index: int | None = None, queue_delay_target_s: float | None = None):
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen must be 'host:port', got {listen!r}")
@@ -253,6 +260,8 @@ class TransferEngine:
             auth_token = auth_token.encode()
         if rate_limit_bps is not None and rate_limit_bps <= 0:
             raise ValueError(f"rate_limit_bps must be positive, got {rate_limit_bps}")
+        if queue_delay_target_s is not None and not queue_delay_target_s > 0:
+            raise ValueError(f"queue_delay_target_s must be positive, got {queue_delay_target_s}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if backend != "rdma" and (device is not None or gid_index is not None or ib_port != 1):
@@ -261,7 +270,8 @@ class TransferEngine:
             raise ValueError(f"bad RDMA port {ib_port} or GID index {gid_index}")
         self._core = _C.TransferEngineCore(backend, host, int(port), streams, chunk_bytes, auth_token,
                                            float(timeout_s), float(rate_limit_bps or 0.0), max_retries,
-                                           device or "", ib_port, -1 if gid_index is None else gid_index)
+                                           device or "", ib_port, -1 if gid_index is None else gid_index,
+                                           float(queue_delay_target_s or 0.0))
         self._lock = threading.Lock()
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)
@@ -421,6 +431,9 @@ class TransferEngine:
             (achieved goodput while busy, the router's bandwidth estimate; 0 before any);
             ``rtt_s``: smoothed round-trip time of the priority lane, from pings once a second;
             ``connected``: 1.0 while the control connection is up.
+            With ``queue_delay_target_s`` (tcp peers): ``paced_bps``, the pacer's current rate
+            (0 while unpaced); ``path_bottleneck_bps``, the path rate it learned;
+            ``queue_delay_s``, the data connections' smoothed RTT above the path's minimum.
         """
         out: dict = dict(self._core.totals())
         out["peers"] = {addr: dict(s) for addr, s in self._core.peer_stats().items()}

@@ -1,5 +1,5 @@
 // Unit tests of the verbs emulator's semantics, written against the verbs table exactly as
-// the RDMA backend uses it. Built and run by tests/test_verbs_emulator.py; one case per
+// the RDMA backend uses it. Built and run by tests/test_transfer_rdma.py; one case per
 // invocation: `verbs_emulator_test <case>`, exit status 0 on success.
 #include <infiniband/verbs.h>
 
@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "check.h"
 #include "transport/rdma/emulator/verbs_emulator.h"
 
 using pddcore::rdma::VerbsTable;
@@ -21,14 +22,6 @@ namespace emu = pddcore::rdma::emulator;
 namespace {
 
 const VerbsTable& V = emu::verbs();
-
-#define CHECK(cond)                                                          \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                          \
-    }                                                                        \
-  } while (0)
 
 struct Node {
   ibv_context* ctx = nullptr;

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -120,6 +121,8 @@ struct EngineOptions {
   std::string auth_token;
   double timeout_s = 30.0;
   double rate_limit_bps = 0.0;  // bits per second; 0: unlimited
+  // TCP: pace each peer's bulk data so the path's queueing delay stays near this (0: off).
+  double queue_delay_target_s = 0.0;
   uint32_t max_retries = 5;     // resends of one chunk, and reconnects of one stream, before giving up
   // RDMA backend: device name ("": first device; "emulator": the verbs emulator), port, GID index (-1: auto).
   std::string rdma_device;
@@ -182,6 +185,9 @@ class TransferBackend {
   // Test hooks: break one data stream's connection; corrupt the next n payloads sent.
   virtual void debug_kill_stream(uint64_t peer_key, uint32_t stream) = 0;
   virtual void debug_corrupt_chunks(uint32_t n) = 0;
+
+  // Backend-specific numbers for one peer's entry in the engine's stats.
+  virtual void add_peer_stats(uint64_t /*peer_key*/, std::map<std::string, double>& /*stats*/) {}
 };
 
 }  // namespace pddcore::transfer

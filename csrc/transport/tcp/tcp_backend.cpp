@@ -8,6 +8,7 @@
 #include <optional>
 #include <set>
 
+#include "path_sample.h"
 #include "pddcore/crc32c.h"
 
 namespace pddcore::transfer::tcp {
@@ -21,6 +22,8 @@ namespace {
 // cost more in syscalls than they save.
 constexpr size_t kCrcPiece = 256 << 10;
 constexpr uint64_t kMinWindowBytes = 16ull << 20;
+// How often each stream reads TCP_INFO for the pacer.
+constexpr int64_t kPathSampleIntervalNs = 1'000'000;
 // One sendmsg carries up to this many small chunks, checksummed just before it.
 constexpr size_t kMaxBatchChunks = 16;
 constexpr uint64_t kMaxBatchBytes = kCrcPiece;
@@ -79,6 +82,8 @@ void TcpBackend::connect(const PeerInfo& peer) {
   auto link = std::make_shared<Link>();
   link->peer = peer;
   const uint32_t n = host_.options().streams;
+  if (host_.options().queue_delay_target_s > 0)
+    link->pacer = std::make_unique<DelayPacer>(host_.options().queue_delay_target_s, n);
   link->live_streams = n;
   for (uint32_t i = 0; i < n; ++i) {
     link->streams.push_back(std::make_unique<Stream>());
@@ -218,6 +223,7 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
       }
       if (batch.empty()) continue;
       host_.pace(batch_bytes);
+      pace_to_path(link, batch_bytes, broken);
       send_chunks(socket, batch);
       batch.clear();  // its chunks hold their source regions
     }
@@ -236,6 +242,28 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
   if (stopping) return progressed;
   throw TransferError("data connection " + std::to_string(stream.index) + " to " + link.peer.address + " broke: " +
                       (reader_error.empty() ? writer_error : reader_error));
+}
+
+void TcpBackend::observe_path(Link& link, Stream& stream, const Socket& socket) {
+  const int64_t now = now_ns();
+  if (!link.pacer || now - stream.last_path_sample_ns < kPathSampleIntervalNs) return;
+  stream.last_path_sample_ns = now;
+  const std::optional<PathSample> sample = read_path_sample(socket.fd());
+  if (!sample) return;
+  std::lock_guard<std::mutex> lock(link.pacer_mutex);
+  link.pacer->observe(stream.index, *sample, now);
+}
+
+void TcpBackend::pace_to_path(Link& link, uint64_t bytes, const std::atomic<bool>& broken) {
+  if (!link.pacer) return;
+  int64_t wait_ns;
+  {
+    std::lock_guard<std::mutex> lock(link.pacer_mutex);
+    wait_ns = link.pacer->reserve(bytes, now_ns());
+  }
+  if (wait_ns <= 0) return;
+  std::unique_lock<std::mutex> lock(link.mutex);
+  link.cv.wait_for(lock, std::chrono::nanoseconds(wait_ns), [&] { return link.stopping || broken.load(); });
 }
 
 void TcpBackend::send_chunks(const Socket& socket, const std::vector<Outgoing>& batch) {
@@ -306,6 +334,7 @@ void TcpBackend::read_acks(Link& link, Stream& stream, const Socket& socket, std
   try {
     for (;;) {
       have += socket.recv_some(buf + have, sizeof(buf) - have);
+      observe_path(link, stream, socket);
       const size_t whole = have / wire::Ack::kSize;
       bool malformed = false;
       {
@@ -456,6 +485,15 @@ void TcpBackend::debug_kill_stream(uint64_t peer_key, uint32_t stream) {
 }
 
 void TcpBackend::debug_corrupt_chunks(uint32_t n) { corrupt_next_ = n; }
+
+void TcpBackend::add_peer_stats(uint64_t peer_key, std::map<std::string, double>& stats) {
+  LinkPtr link = find_link(peer_key);
+  if (!link || !link->pacer) return;
+  std::lock_guard<std::mutex> lock(link->pacer_mutex);
+  stats["paced_bps"] = std::max(stats["paced_bps"], 8 * link->pacer->rate_Bps());
+  stats["link_rate_bps"] = std::max(stats["link_rate_bps"], 8 * link->pacer->link_rate_Bps());
+  stats["queue_delay_s"] = std::max(stats["queue_delay_s"], link->pacer->queue_delay_s());
+}
 
 // ---- receiver --------------------------------------------------------------
 

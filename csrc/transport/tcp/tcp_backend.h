@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../socket.h"
+#include "pddcore/delay_pacer.h"
 #include "pddcore/transfer_backend.h"
 
 namespace pddcore::transfer::tcp {
@@ -39,6 +40,7 @@ class TcpBackend final : public TransferBackend {
   void close() override;
   void debug_kill_stream(uint64_t peer_key, uint32_t stream) override;
   void debug_corrupt_chunks(uint32_t n) override;
+  void add_peer_stats(uint64_t peer_key, std::map<std::string, double>& stats) override;
 
  private:
   struct Stream {
@@ -49,6 +51,7 @@ class TcpBackend final : public TransferBackend {
     std::map<uint64_t, WriteChunk> inflight;  // sent, not yet acknowledged, by sequence number
     uint64_t inflight_bytes = 0;
     uint64_t next_seq = 1;
+    int64_t last_path_sample_ns = 0;  // ack reader thread only
   };
   struct Link {
     PeerInfo peer;
@@ -59,6 +62,9 @@ class TcpBackend final : public TransferBackend {
     uint32_t live_streams = 0;
     bool stopping = false;
     std::string dead_reason;  // set once every stream gave up
+    // With queue_delay_target_s: paces this peer's bulk data to the path (under pacer_mutex).
+    std::unique_ptr<DelayPacer> pacer;
+    std::mutex pacer_mutex;
   };
   using LinkPtr = std::shared_ptr<Link>;
 
@@ -78,6 +84,11 @@ class TcpBackend final : public TransferBackend {
   // Sends a batch of chunks: small ones in one gather write with the CRC32C in the header,
   // a big one slice by slice with the CRC32C in a trailer (see wire::ChunkHeader).
   void send_chunks(const Socket& socket, const std::vector<Outgoing>& batch);
+  // Feeds the link's pacer what the kernel measured on this stream (at most once a
+  // millisecond; called as acks arrive, which they do while data flows).
+  void observe_path(Link& link, Stream& stream, const Socket& socket);
+  // Waits as long as the link's pacer says before `bytes` may leave (no-op without a pacer).
+  void pace_to_path(Link& link, uint64_t bytes, const std::atomic<bool>& broken);
   // Returns a session's unacknowledged chunks to the queue, or fails their transfers
   // once a chunk is out of retries.
   void requeue_inflight(Link& link, Stream& stream, const std::string& why);

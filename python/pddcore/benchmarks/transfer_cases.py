@@ -10,7 +10,8 @@
   pages: nothing coalesces); ratio = goodput / line rate. Then priority-lane one-way
   latency (both namespaces share CLOCK_MONOTONIC): probes on an idle link, then under a
   bulk transfer that saturates it, unpaced and paced by ``rate_limit_bps`` just below
-  the line rate.
+  the line rate; last, the whole bulk transfer again with ``queue_delay_target_s`` (the
+  engine paces itself to the path, knowing no rate), its goodput and the latency under it.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def desc_address(descriptor: bytes) -> str:
 
 
 def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, chunk_bytes: int,
-                  probes: int, probe_gap_s: float, pace_bps: float) -> dict:
+                  probes: int, probe_gap_s: float, pace_bps: float, queue_delay_target_s: float) -> dict:
     """Sender side of :func:`wan_case`; runs inside namespace a."""
     import numpy as np
 
@@ -256,8 +257,20 @@ def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, c
         loaded(engine, 1)
     # Paced just below the line rate, the bulk flows keep the bottleneck queue short.
     with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, rate_limit_bps=pace_bps) as paced:
-        peer = loaded(paced, 2)
-        paced.send(peer, b"exit")
+        loaded(paced, 2)
+    # Paced by the engine itself: the whole bulk transfer, probed once the pacer settled.
+    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, queue_delay_target_s=queue_delay_target_s) as auto:
+        region = auto.register(data)
+        peer = auto.connect(desc_address(desc))
+        start = time.perf_counter()
+        transfers = bulk(auto, peer, region)
+        time.sleep(3.0)  # slow start's overshoot drained, the pacer settled
+        probe(auto, peer, 3, transfers)
+        out["auto_stats"] = auto.stats()["peers"][peer.address]  # mid-transfer: the pacer's rate and queue
+        for t in transfers:
+            t.wait()
+        out["auto_seconds"] = time.perf_counter() - start
+        auto.send(peer, b"exit")
     return out
 
 
@@ -275,6 +288,11 @@ class WanResult:
     pace_bps: float
     stats_throughput_gbps: float  # what TransferEngine.stats() reported for the peer
     stats_rtt_ms: float
+    queue_delay_target_ms: float
+    auto_goodput_gbps: float  # the same bulk transfer with queue_delay_target_s
+    auto_latency_ms: float
+    auto_paced_gbps: float  # the engine pacer's rate mid-transfer
+    auto_queue_delay_ms: float  # the queueing delay it measured then
     latencies_ms: dict = field(default_factory=dict)
 
     @property
@@ -284,11 +302,14 @@ class WanResult:
     def as_dict(self) -> dict:
         return {**asdict(self), "ratio_to_line_rate": self.ratio_to_line_rate,
                 "loaded_over_idle": self.loaded_latency_ms / self.idle_latency_ms,
-                "paced_over_idle": self.paced_latency_ms / self.idle_latency_ms}
+                "paced_over_idle": self.paced_latency_ms / self.idle_latency_ms,
+                "auto_over_idle": self.auto_latency_ms / self.idle_latency_ms,
+                "auto_ratio_to_line_rate": self.auto_goodput_gbps * 1e9 / self.rate_bps}
 
 
 def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30, piece_bytes: int = 64 << 10,
-             streams: int = 4, chunk_bytes: int = 1 << 20, probes: int = 20, pace_fraction: float = 0.9) -> WanResult:
+             streams: int = 4, chunk_bytes: int = 1 << 20, probes: int = 20, pace_fraction: float = 0.9,
+             queue_delay_target_s: float = 0.002) -> WanResult:
     from ..testing.wan import WanLink
 
     with WanLink(rate=rate, delay_ms=delay_ms) as link, tempfile.TemporaryDirectory() as tmp:
@@ -296,14 +317,18 @@ def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30,
         pace_bps = link.rate_bps * pace_fraction
         sink = link.b.spawn(engine_sink, f"{link.b.address}:9300", nbytes, info)
         sent = link.a.call(engine_source, info, nbytes, piece_bytes, streams, chunk_bytes, probes,
-                           max(0.02, 2 * delay_ms / 1000), pace_bps, timeout=600)
+                           max(0.02, 2 * delay_ms / 1000), pace_bps, queue_delay_target_s, timeout=600)
         samples = sink.result(60)
         rate_bps = link.rate_bps
-    lat = {phase: [1000 * (arrived - sent_at) for p, sent_at, arrived in samples if p == phase] for phase in (0, 1, 2)}
+    lat = {phase: [1000 * (arrived - sent_at) for p, sent_at, arrived in samples if p == phase]
+           for phase in (0, 1, 2, 3)}
     med = {phase: statistics.median(v) for phase, v in lat.items()}
     return WanResult(rate_bps, 2 * delay_ms, nbytes, piece_bytes, streams, nbytes * 8 / sent["seconds"] / 1e9,
                      med[0], med[1], med[2], pace_bps, sent["peer_stats"]["throughput_bps"] / 1e9,
-                     sent["peer_stats"]["rtt_s"] * 1000, {str(k): v for k, v in lat.items()})
+                     sent["peer_stats"]["rtt_s"] * 1000, queue_delay_target_s * 1000,
+                     nbytes * 8 / sent["auto_seconds"] / 1e9, med[3],
+                     sent["auto_stats"].get("paced_bps", 0.0) / 1e9, sent["auto_stats"].get("queue_delay_s", 0.0) * 1000,
+                     {str(k): v for k, v in lat.items()})
 
 
 def format_loopback(results: list[LoopbackResult]) -> str:
@@ -319,4 +344,8 @@ def format_wan(r: WanResult) -> str:
             f"pieces, {r.streams} streams: goodput {r.goodput_gbps:.3f} Gbit/s = {d['ratio_to_line_rate']:.3f}x line "
             f"rate; priority one-way latency idle {r.idle_latency_ms:.2f} ms, under bulk {r.loaded_latency_ms:.2f} ms "
             f"({d['loaded_over_idle']:.2f}x), under bulk paced at {r.pace_bps / 1e9:.2f} Gbit/s "
-            f"{r.paced_latency_ms:.2f} ms ({d['paced_over_idle']:.2f}x)")
+            f"{r.paced_latency_ms:.2f} ms ({d['paced_over_idle']:.2f}x); self-paced to a "
+            f"{r.queue_delay_target_ms:g} ms queue: goodput {r.auto_goodput_gbps:.3f} Gbit/s = "
+            f"{d['auto_ratio_to_line_rate']:.3f}x line rate, latency under it {r.auto_latency_ms:.2f} ms "
+            f"({d['auto_over_idle']:.2f}x); the pacer mid-transfer: {r.auto_paced_gbps:.3f} Gbit/s, queue "
+            f"{r.auto_queue_delay_ms:.2f} ms")

@@ -1,0 +1,183 @@
+// Delay-based pacing of bulk data, in the spirit of LEDBAT.
+//
+// A bulk TCP transfer fills the bottleneck's queue, and every message that shares the
+// path (the priority lane) then waits behind that queue: through a 1 Gbit/s, 50 ms RTT
+// link about 3x its idle latency. A fixed rate limit below the line rate avoids that but
+// needs the line rate. This pacer needs only a target queueing delay: it reads the queue
+// as the connections' smoothed RTT above the path's minimum and sets the sending rate to
+// what the path delivered lately, scaled up while the queue is below the target and down
+// while it is above, in proportion to how far off it is. The queue settles at the target,
+// the link stays busy. The gain is small next to the round trip (the queue answers a
+// change one RTT late; a larger gain would swing), except while there is no queue to
+// speak of, when the rate ramps up fast.
+//
+// Like every delay-based sender it cannot tell its own queue from delay it does not cause
+// (a busy host, other traffic); it then slows down, but not below kFloorShare of the
+// highest link rate it measured in the last kFloorMemoryNs.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+namespace pddcore::transfer {
+
+// What the kernel measured on one connection (TCP_INFO).
+struct PathSample {
+  double srtt_s = 0;         // smoothed round-trip time
+  double min_rtt_s = 0;      // lowest round-trip time seen: the path without a queue
+  uint64_t bytes_acked = 0;  // acknowledged so far on this connection (it may restart at 0)
+};
+
+class DelayPacer {
+ public:
+  static constexpr double kRampGain = 0.25;     // with the queue under a quarter of the target, ...
+  static constexpr double kRampBelowBusy = 0.9;  // ... while delivering less than this of the link's rate
+  static constexpr double kSteerGain = 0.5;     // x target / feedback delay, near the target
+  static constexpr double kAppLimitedShare = 0.8;  // delivered below this share of the rate: the sender idled
+  static constexpr double kMinDrain = 0.5;     // deepest cut when draining a queue far beyond the target
+  static constexpr double kFloorShare = 0.25;  // of the highest link rate in kFloorMemoryNs
+  static constexpr int64_t kFloorMemoryNs = 10'000'000'000;
+  static constexpr double kLinkRateMemoryS = 1.0;  // time constant of the link-rate average
+  static constexpr int64_t kMinRevisionNs = 5'000'000;  // revise at most once per base RTT, >= 5 ms
+  static constexpr int64_t kMaxBurstNs = 1'000'000;     // of unused rate a sender may spend at once
+  // Delivered rate = bytes acknowledged over the last srtt, at least this long: shorter
+  // spans see acks in bursts (one TSO batch, ack compression), not the link rate.
+  static constexpr int64_t kMinRateSpanNs = 20'000'000;
+
+  DelayPacer(double target_delay_s, size_t connections) : target_s_(target_delay_s), latest_(connections) {
+    if (!(target_delay_s > 0)) throw std::invalid_argument("target queueing delay must be positive");
+    if (connections == 0) throw std::invalid_argument("a pacer needs at least one connection");
+  }
+
+  // The latest measurement of one connection; the rate is revised at most once per base RTT.
+  void observe(size_t connection, const PathSample& sample, int64_t now_ns) {
+    if (connection >= latest_.size() || !(sample.srtt_s > 0) || !(sample.min_rtt_s > 0)) return;
+    latest_[connection] = {sample, true};
+    if (now_ns >= next_revision_ns_) revise(now_ns);
+  }
+
+  // Claims `bytes` of the paced rate: how many ns the sender waits before sending them.
+  int64_t reserve(uint64_t bytes, int64_t now_ns) {
+    if (rate_Bps_ <= 0) return 0;
+    // Unused rate expires quickly: a burst after a pause would queue at the bottleneck.
+    const int64_t start = std::max(next_send_ns_, now_ns - kMaxBurstNs);
+    next_send_ns_ = start + static_cast<int64_t>(static_cast<double>(bytes) * 1e9 / rate_Bps_);
+    return std::max<int64_t>(0, start - now_ns);
+  }
+
+  double rate_Bps() const { return rate_Bps_; }  // 0 while unpaced: no queue seen yet
+  double queue_delay_s() const { return queue_delay_s_; }
+  // What the link delivered while it had a queue (then that is its rate), a slow average;
+  // 0 before the first queue.
+  double link_rate_Bps() const { return link_rate_Bps_; }
+
+ private:
+  struct Latest {
+    PathSample sample;
+    bool seen = false;
+  };
+
+  void revise(int64_t now_ns) {
+    double base = 0;
+    uint64_t acked = 0;
+    srtts_.clear();
+    for (const Latest& l : latest_) {
+      if (!l.seen) continue;
+      base = srtts_.empty() ? l.sample.min_rtt_s : std::min(base, l.sample.min_rtt_s);
+      srtts_.push_back(l.sample.srtt_s);
+      acked += l.sample.bytes_acked;
+    }
+    // The median: the queue shows on every connection, one connection's burst does not.
+    std::sort(srtts_.begin(), srtts_.end());
+    const size_t n = srtts_.size();
+    const double srtt = (srtts_[(n - 1) / 2] + srtts_[n / 2]) / 2;
+    base_rtt_ns_ = static_cast<int64_t>(base * 1e9);
+    queue_delay_s_ = std::max(0.0, srtt - base);
+    next_revision_ns_ = now_ns + std::max(kMinRevisionNs, base_rtt_ns_);
+    const double delivered = delivered_rate(acked, now_ns, srtt);
+    if (delivered <= 0) return;
+    // How late a change of rate shows in what is measured: a round trip, or the span the
+    // delivered rate is averaged over.
+    const double feedback_s = static_cast<double>(rate_span_ns(srtt)) * 1e-9;
+    // With a queue, the link is busy and what it delivers is its rate. Single readings
+    // jump (a burst of late acks after a repaired loss, as after slow start's overshoot,
+    // which is why the average starts once pacing has): the average is for the floor.
+    if (queue_delay_s_ > target_s_ / 2) {
+      busy_rate_Bps_ = delivered;
+      if (rate_Bps_ > 0) {
+        const double weight = std::min(1.0, static_cast<double>(now_ns - busy_seen_ns_) * 1e-9 / kLinkRateMemoryS);
+        const double reading = link_rate_Bps_ > 0 ? std::min(delivered, 2 * link_rate_Bps_) : delivered;
+        link_rate_Bps_ = link_rate_Bps_ > 0 ? link_rate_Bps_ + weight * (reading - link_rate_Bps_) : reading;
+        busy_seen_ns_ = now_ns;
+        remember_link_rate(now_ns);
+      }
+    }
+    if (now_ns < hold_until_ns_) return;
+    if (rate_Bps_ <= 0 ? queue_delay_s_ > target_s_ : queue_delay_s_ > 2 * target_s_) {
+      // Far beyond the target (slow start's overshoot when pacing begins, or a path that
+      // got slower): the link is busy and delivers its rate; go below it by as much as
+      // drains the excess within about a round trip, and wait that long to see the effect.
+      rate_Bps_ = std::max(floor_Bps(), delivered * std::max(kMinDrain, 1.0 - (queue_delay_s_ - target_s_) / srtt));
+      hold_until_ns_ = now_ns + static_cast<int64_t>(srtt * 1e9);
+      return;
+    }
+    if (rate_Bps_ <= 0) return;
+    // Without a queue, a path that delivered less than the rate was not given more: the
+    // sender idled and learned nothing about the path.
+    const bool no_queue = queue_delay_s_ < target_s_ / 4;
+    if (no_queue && delivered < kAppLimitedShare * rate_Bps_) return;
+    const double off_target = std::clamp((target_s_ - queue_delay_s_) / target_s_, -1.0, 1.0);
+    // Fast back up to the rate the link last showed, carefully beyond it.
+    const double gain = no_queue && delivered < kRampBelowBusy * busy_rate_Bps_
+                            ? kRampGain
+                            : std::min(kRampGain, kSteerGain * target_s_ / feedback_s);
+    rate_Bps_ = std::max(floor_Bps(), delivered * (1 + gain * off_target));
+  }
+
+  static int64_t rate_span_ns(double srtt_s) {
+    return std::max(kMinRateSpanNs, static_cast<int64_t>(srtt_s * 1e9));
+  }
+
+  double floor_Bps() const { return link_rates_.empty() ? 0 : kFloorShare * link_rates_.front().second; }
+
+  // Sliding-window maximum of the link-rate average (a monotonic deque, largest first).
+  void remember_link_rate(int64_t now_ns) {
+    while (!link_rates_.empty() && link_rates_.back().second <= link_rate_Bps_) link_rates_.pop_back();
+    link_rates_.emplace_back(now_ns, link_rate_Bps_);
+    while (link_rates_.front().first < now_ns - kFloorMemoryNs) link_rates_.pop_front();
+  }
+
+  // Bytes acknowledged per second over the last srtt (at least kMinRateSpanNs); 0 until
+  // that much history exists. A connection that restarted its count resets the history.
+  double delivered_rate(uint64_t acked, int64_t now_ns, double srtt_s) {
+    if (!acked_.empty() && acked < acked_.back().second) acked_.clear();
+    acked_.emplace_back(now_ns, acked);
+    const int64_t span_ns = rate_span_ns(srtt_s);
+    while (acked_.size() > 2 && acked_[1].first <= now_ns - span_ns) acked_.pop_front();
+    const auto& [then_ns, then_acked] = acked_.front();
+    if (now_ns - then_ns < span_ns) return 0;
+    return static_cast<double>(acked - then_acked) * 1e9 / static_cast<double>(now_ns - then_ns);
+  }
+
+  const double target_s_;
+  std::vector<Latest> latest_;
+  std::vector<double> srtts_;                        // scratch for the median
+  std::deque<std::pair<int64_t, uint64_t>> acked_;  // (when, bytes acknowledged on all connections)
+  double rate_Bps_ = 0;
+  double queue_delay_s_ = 0;
+  int64_t base_rtt_ns_ = 0;
+  int64_t next_revision_ns_ = 0;
+  int64_t next_send_ns_ = 0;
+  int64_t hold_until_ns_ = 0;
+  double busy_rate_Bps_ = 0;  // delivered when the link last had a queue: its rate then
+  double link_rate_Bps_ = 0;  // the same, averaged
+  int64_t busy_seen_ns_ = 0;
+  std::deque<std::pair<int64_t, double>> link_rates_;  // (when, link_rate_Bps_) for the floor
+};
+
+}  // namespace pddcore::transfer

@@ -1,0 +1,19 @@
+#include "path_sample.h"
+
+#include <linux/tcp.h>  // tcp_info with tcpi_bytes_acked and tcpi_min_rtt (glibc's copy lacks them)
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstddef>
+
+namespace pddcore::transfer::tcp {
+
+std::optional<PathSample> read_path_sample(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return std::nullopt;
+  if (len < offsetof(tcp_info, tcpi_min_rtt) + sizeof(info.tcpi_min_rtt)) return std::nullopt;
+  return PathSample{info.tcpi_rtt * 1e-6, info.tcpi_min_rtt * 1e-6, info.tcpi_bytes_acked};
+}
+
+}  // namespace pddcore::transfer::tcp

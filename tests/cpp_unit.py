@@ -1,0 +1,33 @@
+"""Builds and runs the C++ unit tests under tests/cpp: one binary per test file, one case
+per run (`binary <case>`; with no argument the binary lists its cases)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(out_dir: Path, name: str, sources: list[str], libs: tuple[str, ...] = ()) -> Path:
+    """Compiles ``sources`` (paths from the repository root) into ``out_dir/name``."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the C++ unit tests")
+    out = out_dir / name
+    subprocess.run([compiler, "-std=c++17", "-O1", "-Icsrc/include", "-Icsrc", "-Itests/cpp", *sources, "-o", str(out),
+                    "-pthread", *libs], cwd=ROOT, check=True)
+    return out
+
+
+def cases(binary: Path) -> list[str]:
+    return subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.split()
+
+
+def run_case(binary: Path, case: str) -> None:
+    run = subprocess.run([str(binary), case], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().endswith(f"ok {case}"), run.stdout

@@ -1,0 +1,58 @@
+"""The TCP backend's delay-based pacer (queue_delay_target_s): its control loop tested in
+C++ against a fluid model of a bottleneck link (tests/cpp/delay_pacer_test.cpp: the queue
+settles at the target with the link busy, on long and short round trips, through RTT
+bursts, after the link gets slower or faster; delay the link does not cause slows it only
+to a floor), and the option end to end on loopback. Through a real bottleneck:
+tests/test_transfer_wan.py (root)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpp_unit
+from pddcore.transfer import TransferEngine
+
+PACER_CASES = ["long_rtt", "short_rtt", "bursty_short_rtt", "foreign_delay", "capacity_drop", "capacity_rise",
+               "unpaced_until_a_queue", "token_bucket", "bad_arguments"]
+
+
+@pytest.fixture(scope="module")
+def pacer_test_binary(tmp_path_factory):
+    binary = cpp_unit.build(tmp_path_factory.mktemp("pacer"), "delay_pacer_test", ["tests/cpp/delay_pacer_test.cpp"])
+    assert sorted(cpp_unit.cases(binary)) == sorted(PACER_CASES)  # every C++ case runs here
+    return binary
+
+
+@pytest.mark.parametrize("case", PACER_CASES)
+def test_delay_pacer(pacer_test_binary, case):
+    cpp_unit.run_case(pacer_test_binary, case)
+
+
+def test_self_paced_engine_moves_every_byte_and_reports_its_pacer():
+    nbytes = 32 << 20
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    with TransferEngine(queue_delay_target_s=0.001) as sender, TransferEngine() as receiver:
+        region = receiver.register(dst)
+        peer = sender.connect(receiver.address)
+        for _ in range(3):
+            sender.write(peer, sender.register(src), 0, region.descriptor(), 0, nbytes).wait()
+        stats = sender.stats()["peers"][receiver.address]
+    assert torch.equal(src, dst)
+    assert stats["bytes_sent"] == 3 * nbytes
+    assert {"paced_bps", "link_rate_bps", "queue_delay_s"} <= stats.keys()
+    assert stats["paced_bps"] >= 0 and stats["queue_delay_s"] >= 0
+
+
+def test_unpaced_engine_reports_no_pacer():
+    with TransferEngine() as sender, TransferEngine() as receiver:
+        peer = sender.connect(receiver.address)
+        stats = sender.stats()["peers"][receiver.address]
+        assert peer is not None and "paced_bps" not in stats
+
+
+@pytest.mark.parametrize("bad", [0, -0.5])
+def test_queue_delay_target_must_be_positive(bad):
+    with pytest.raises(ValueError, match="queue_delay_target_s must be positive"):
+        TransferEngine(queue_delay_target_s=bad)
