@@ -142,7 +142,8 @@ def case_wan(quick: bool, backend: str) -> CaseOutput:
     from .benchmarks import wan_cases
 
     if quick:
-        r = _in_fresh_process(transfer_cases.wan_case, rate="200mbit", delay_ms=10, nbytes=64 << 20, probes=10)
+        r = _in_fresh_process(transfer_cases.wan_case, rate="200mbit", delay_ms=10, nbytes=128 << 20, probes=10,
+                              settle_s=2.0)
     else:
         r = _in_fresh_process(transfer_cases.wan_case, rate="1gbit", delay_ms=25)
     rate = "200mbit" if quick else "1gbit"
@@ -154,6 +155,10 @@ def case_wan(quick: bool, backend: str) -> CaseOutput:
             Row("wan", "priority msg one-way, under bulk", r.loaded_latency_ms, "idle link", r.idle_latency_ms, "ms"),
             Row("wan", "priority msg one-way, under paced bulk", r.paced_latency_ms, "idle link", r.idle_latency_ms,
                 "ms"),
+            Row("wan", f"engine goodput, self-paced to a {r.queue_delay_target_ms:g} ms queue", r.auto_goodput_gbps,
+                "line rate", r.rate_bps / 1e9, "Gbit/s"),
+            Row("wan", "priority msg one-way, under self-paced bulk", r.auto_latency_ms, "idle link",
+                r.idle_latency_ms, "ms"),
             Row("wan", "delay line packets/s per core, MTU 1500", line.pps_per_core, "needed for 1 Gbit/s",
                 line.pps_needed_1g, "pkt/s")]
     return CaseOutput({"engine": r.as_dict(), "plain_tcp": tcp.as_dict(), "delay_line": line.as_dict()},

@@ -99,7 +99,7 @@ class DelayPacer {
     base_rtt_ns_ = static_cast<int64_t>(base * 1e9);
     queue_delay_s_ = std::max(0.0, srtt - base);
     next_revision_ns_ = now_ns + std::max(kMinRevisionNs, base_rtt_ns_);
-    const double delivered = delivered_rate(acked, now_ns, srtt);
+    const double delivered = delivered_rate(acked, srtts_.size(), now_ns, srtt);
     if (delivered <= 0) return;
     // How late a change of rate shows in what is measured: a round trip, or the span the
     // delivered rate is averaged over.
@@ -153,9 +153,11 @@ class DelayPacer {
   }
 
   // Bytes acknowledged per second over the last srtt (at least kMinRateSpanNs); 0 until
-  // that much history exists. A connection that restarted its count resets the history.
-  double delivered_rate(uint64_t acked, int64_t now_ns, double srtt_s) {
-    if (!acked_.empty() && acked < acked_.back().second) acked_.clear();
+  // that much history exists. A connection that restarted its count, or one counted for
+  // the first time, resets the history: the sum jumps without any byte moving.
+  double delivered_rate(uint64_t acked, size_t connections, int64_t now_ns, double srtt_s) {
+    if (connections != counted_connections_ || (!acked_.empty() && acked < acked_.back().second)) acked_.clear();
+    counted_connections_ = connections;
     acked_.emplace_back(now_ns, acked);
     const int64_t span_ns = rate_span_ns(srtt_s);
     while (acked_.size() > 2 && acked_[1].first <= now_ns - span_ns) acked_.pop_front();
@@ -168,6 +170,7 @@ class DelayPacer {
   std::vector<Latest> latest_;
   std::vector<double> srtts_;                        // scratch for the median
   std::deque<std::pair<int64_t, uint64_t>> acked_;  // (when, bytes acknowledged on all connections)
+  size_t counted_connections_ = 0;
   double rate_Bps_ = 0;
   double queue_delay_s_ = 0;
   int64_t base_rtt_ns_ = 0;

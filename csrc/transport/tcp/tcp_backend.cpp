@@ -223,6 +223,7 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
       }
       if (batch.empty()) continue;
       host_.pace(batch_bytes);
+      observe_path(link);
       pace_to_path(link, batch_bytes, broken);
       send_chunks(socket, batch);
       batch.clear();  // its chunks hold their source regions
@@ -244,14 +245,25 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
                       (reader_error.empty() ? writer_error : reader_error));
 }
 
-void TcpBackend::observe_path(Link& link, Stream& stream, const Socket& socket) {
+void TcpBackend::observe_path(Link& link) {
+  if (!link.pacer) return;
   const int64_t now = now_ns();
-  if (!link.pacer || now - stream.last_path_sample_ns < kPathSampleIntervalNs) return;
-  stream.last_path_sample_ns = now;
-  const std::optional<PathSample> sample = read_path_sample(socket.fd());
-  if (!sample) return;
+  {
+    std::lock_guard<std::mutex> lock(link.pacer_mutex);
+    if (now - link.last_path_sample_ns < kPathSampleIntervalNs) return;
+    link.last_path_sample_ns = now;
+  }
+  // Counters read apart would add up to rates the path never had.
+  std::vector<std::pair<uint32_t, PathSample>> samples;
+  {
+    std::lock_guard<std::mutex> lock(link.mutex);  // keeps each live socket open
+    for (const auto& stream : link.streams)
+      if (stream->socket)
+        if (const std::optional<PathSample> sample = read_path_sample(stream->socket->fd()))
+          samples.emplace_back(stream->index, *sample);
+  }
   std::lock_guard<std::mutex> lock(link.pacer_mutex);
-  link.pacer->observe(stream.index, *sample, now);
+  for (const auto& [index, sample] : samples) link.pacer->observe(index, sample, now);
 }
 
 void TcpBackend::pace_to_path(Link& link, uint64_t bytes, const std::atomic<bool>& broken) {
@@ -334,7 +346,7 @@ void TcpBackend::read_acks(Link& link, Stream& stream, const Socket& socket, std
   try {
     for (;;) {
       have += socket.recv_some(buf + have, sizeof(buf) - have);
-      observe_path(link, stream, socket);
+      observe_path(link);
       const size_t whole = have / wire::Ack::kSize;
       bool malformed = false;
       {

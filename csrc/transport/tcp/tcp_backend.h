@@ -51,7 +51,6 @@ class TcpBackend final : public TransferBackend {
     std::map<uint64_t, WriteChunk> inflight;  // sent, not yet acknowledged, by sequence number
     uint64_t inflight_bytes = 0;
     uint64_t next_seq = 1;
-    int64_t last_path_sample_ns = 0;  // ack reader thread only
   };
   struct Link {
     PeerInfo peer;
@@ -65,6 +64,7 @@ class TcpBackend final : public TransferBackend {
     // With queue_delay_target_s: paces this peer's bulk data to the path (under pacer_mutex).
     std::unique_ptr<DelayPacer> pacer;
     std::mutex pacer_mutex;
+    int64_t last_path_sample_ns = 0;  // under pacer_mutex
   };
   using LinkPtr = std::shared_ptr<Link>;
 
@@ -84,9 +84,9 @@ class TcpBackend final : public TransferBackend {
   // Sends a batch of chunks: small ones in one gather write with the CRC32C in the header,
   // a big one slice by slice with the CRC32C in a trailer (see wire::ChunkHeader).
   void send_chunks(const Socket& socket, const std::vector<Outgoing>& batch);
-  // Feeds the link's pacer what the kernel measured on this stream (at most once a
-  // millisecond; called as acks arrive, which they do while data flows).
-  void observe_path(Link& link, Stream& stream, const Socket& socket);
+  // Feeds the link's pacer what the kernel measured on every stream, all at one moment (at
+  // most once a millisecond; called as batches leave and as acks arrive).
+  void observe_path(Link& link);
   // Waits as long as the link's pacer says before `bytes` may leave (no-op without a pacer).
   void pace_to_path(Link& link, uint64_t bytes, const std::atomic<bool>& broken);
   // Returns a session's unacknowledged chunks to the queue, or fails their transfers

@@ -206,7 +206,8 @@ def desc_address(descriptor: bytes) -> str:
 
 
 def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, chunk_bytes: int,
-                  probes: int, probe_gap_s: float, pace_bps: float, queue_delay_target_s: float) -> dict:
+                  probes: int, probe_gap_s: float, pace_bps: float, queue_delay_target_s: float,
+                  settle_s: float) -> dict:
     """Sender side of :func:`wan_case`; runs inside namespace a."""
     import numpy as np
 
@@ -243,6 +244,11 @@ def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, c
             t.cancel()
         return peer
 
+    def drain_link():
+        # A cancelled transfer's bytes already in the kernel's socket buffers still cross
+        # the link (up to tcp_wmem's 4 MiB per connection): let them leave before measuring.
+        time.sleep(streams * (4 << 20) * 8 / pace_bps + 0.5)
+
     out = {}
     with TransferEngine(streams=streams, chunk_bytes=chunk_bytes) as engine:
         region = engine.register(data)
@@ -255,16 +261,18 @@ def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, c
         out["peer_stats"] = engine.stats()["peers"][peer.address]
         probe(engine, peer, 0, None)
         loaded(engine, 1)
+    drain_link()
     # Paced just below the line rate, the bulk flows keep the bottleneck queue short.
     with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, rate_limit_bps=pace_bps) as paced:
         loaded(paced, 2)
+    drain_link()
     # Paced by the engine itself: the whole bulk transfer, probed once the pacer settled.
     with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, queue_delay_target_s=queue_delay_target_s) as auto:
         region = auto.register(data)
         peer = auto.connect(desc_address(desc))
         start = time.perf_counter()
         transfers = bulk(auto, peer, region)
-        time.sleep(3.0)  # slow start's overshoot drained, the pacer settled
+        time.sleep(settle_s)  # slow start's overshoot drained, the pacer settled
         probe(auto, peer, 3, transfers)
         out["auto_stats"] = auto.stats()["peers"][peer.address]  # mid-transfer: the pacer's rate and queue
         for t in transfers:
@@ -309,7 +317,7 @@ class WanResult:
 
 def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30, piece_bytes: int = 64 << 10,
              streams: int = 4, chunk_bytes: int = 1 << 20, probes: int = 20, pace_fraction: float = 0.9,
-             queue_delay_target_s: float = 0.002) -> WanResult:
+             queue_delay_target_s: float = 0.002, settle_s: float = 3.0) -> WanResult:
     from ..testing.wan import WanLink
 
     with WanLink(rate=rate, delay_ms=delay_ms) as link, tempfile.TemporaryDirectory() as tmp:
@@ -317,7 +325,7 @@ def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30,
         pace_bps = link.rate_bps * pace_fraction
         sink = link.b.spawn(engine_sink, f"{link.b.address}:9300", nbytes, info)
         sent = link.a.call(engine_source, info, nbytes, piece_bytes, streams, chunk_bytes, probes,
-                           max(0.02, 2 * delay_ms / 1000), pace_bps, queue_delay_target_s, timeout=600)
+                           max(0.02, 2 * delay_ms / 1000), pace_bps, queue_delay_target_s, settle_s, timeout=600)
         samples = sink.result(60)
         rate_bps = link.rate_bps
     lat = {phase: [1000 * (arrived - sent_at) for p, sent_at, arrived in samples if p == phase]
