@@ -184,11 +184,5 @@ int main(int argc, char** argv) {
       {"token_bucket", token_bucket},
       {"bad_arguments", bad_arguments},
   };
-  if (argc != 2 || cases.count(argv[1]) == 0) {
-    for (const auto& [name, fn] : cases) std::printf("%s\n", name.c_str());
-    return argc == 1 ? 0 : 2;
-  }
-  cases.at(argv[1])();
-  std::printf("ok %s\n", argv[1]);
-  return 0;
+  return run_case_main(argc, argv, cases);
 }

@@ -421,13 +421,8 @@ int main(int argc, char** argv) {
       {"rnr", rnr},
       {"teardown", teardown},
   };
-  if (argc != 2 || cases.count(argv[1]) == 0) {
-    for (const auto& [name, fn] : cases) std::printf("%s\n", name.c_str());
-    return argc == 1 ? 0 : 2;
-  }
-  cases.at(argv[1])();
-  const auto c = emu::counters();
-  CHECK(c.contexts == 0 && c.pds == 0 && c.mrs == 0 && c.cqs == 0 && c.qps == 0);  // nothing leaked
-  std::printf("ok %s\n", argv[1]);
-  return 0;
+  return run_case_main(argc, argv, cases, [] {
+    const auto c = emu::counters();
+    CHECK(c.contexts == 0 && c.pds == 0 && c.mrs == 0 && c.cqs == 0 && c.qps == 0);  // nothing leaked
+  });
 }
