@@ -201,6 +201,8 @@ def test_delay_line_ring_wraps_without_corrupting_packets(seed):
     receiver.start()
     for seq, payload in enumerate(sent):
         line.a_app.send(seq.to_bytes(4, "little") + bytes(8) + payload)
+        if seq % 4 == 3:
+            time.sleep(0.002)  # lets the line drain now and then, so enough gets through to wrap the ring
     receiver.join()
     stats = line.stop()
     seqs = [r[0] for r in results]
