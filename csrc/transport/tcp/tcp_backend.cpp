@@ -24,6 +24,7 @@ constexpr size_t kCrcPiece = 256 << 10;
 constexpr uint64_t kMinWindowBytes = 16ull << 20;
 // How often each stream reads TCP_INFO for the pacer.
 constexpr int64_t kPathSampleIntervalNs = 1'000'000;
+constexpr double kPacedBurstS = 0.001;
 // One sendmsg carries up to this many small chunks, checksummed just before it.
 constexpr size_t kMaxBatchChunks = 16;
 constexpr uint64_t kMaxBatchBytes = kCrcPiece;
@@ -202,6 +203,7 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
     std::vector<Outgoing> batch;
     for (;;) {
       uint64_t batch_bytes = 0;
+      const uint64_t max_batch_bytes = batch_limit(link);
       {
         std::unique_lock<std::mutex> lock(link.mutex);
         link.cv.wait(lock, [&] {
@@ -210,7 +212,7 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
         if (link.stopping || broken) break;
         // Small chunks go out several per syscall; a big one goes alone.
         while (!link.queue.empty() && stream.inflight_bytes < window_bytes_ && batch.size() < kMaxBatchChunks &&
-               (batch.empty() || batch_bytes + link.queue.front().length <= kMaxBatchBytes)) {
+               (batch.empty() || batch_bytes + link.queue.front().length <= max_batch_bytes)) {
           WriteChunk chunk = std::move(link.queue.front());
           link.queue.pop_front();
           if (chunk.transfer->finished()) continue;
@@ -264,6 +266,16 @@ void TcpBackend::observe_path(Link& link) {
   }
   std::lock_guard<std::mutex> lock(link.pacer_mutex);
   for (const auto& [index, sample] : samples) link.pacer->observe(index, sample, now);
+}
+
+uint64_t TcpBackend::batch_limit(Link& link) {
+  if (!link.pacer) return kMaxBatchBytes;
+  std::lock_guard<std::mutex> lock(link.pacer_mutex);
+  const double rate_Bps = link.pacer->rate_Bps();
+  if (rate_Bps <= 0) return kMaxBatchBytes;
+  // A paced batch leaves as one burst: keep it to about a millisecond of the rate, or a
+  // slow link queues each burst for longer than the pacer's target.
+  return std::clamp<uint64_t>(static_cast<uint64_t>(rate_Bps * kPacedBurstS), 1, kMaxBatchBytes);
 }
 
 void TcpBackend::pace_to_path(Link& link, uint64_t bytes, const std::atomic<bool>& broken) {

@@ -87,6 +87,8 @@ class TcpBackend final : public TransferBackend {
   // Feeds the link's pacer what the kernel measured on every stream, all at one moment (at
   // most once a millisecond; called as batches leave and as acks arrive).
   void observe_path(Link& link);
+  // Bytes one batch may carry: fewer while the link's pacer paces.
+  uint64_t batch_limit(Link& link);
   // Waits as long as the link's pacer says before `bytes` may leave (no-op without a pacer).
   void pace_to_path(Link& link, uint64_t bytes, const std::atomic<bool>& broken);
   // Returns a session's unacknowledged chunks to the queue, or fails their transfers
