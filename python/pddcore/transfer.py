@@ -237,7 +237,8 @@ class TransferEngine:
             backs off when the data connections' RTT rises above the path's minimum
             (delay-based, in the spirit of LEDBAT). Priority messages then see close to idle
             latency while bulk transfers run, without configuring the line rate; the cost is
-            a few percent of throughput. A few ms suits a WAN; stats() shows the pacer.
+            a few percent of throughput. A few ms suits a WAN; stats() shows the pacer. A
+            chunk leaves as one burst: keep chunk_bytes near a millisecond of the link.
         max_retries: resends of one chunk, and reconnects of one stream, before failing.
         device: rdma only: device name (e.g. ``"mlx5_0"``; None: the first one, or the verbs
             emulator when ``PDDCORE_VERBS=emulator``; ``"emulator"``: the verbs emulator).
