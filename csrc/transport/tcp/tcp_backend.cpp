@@ -22,8 +22,9 @@ namespace {
 // cost more in syscalls than they save.
 constexpr size_t kCrcPiece = 256 << 10;
 constexpr uint64_t kMinWindowBytes = 16ull << 20;
-// How often each stream reads TCP_INFO for the pacer.
+// How often a link's streams are read (TCP_INFO) for its pacer.
 constexpr int64_t kPathSampleIntervalNs = 1'000'000;
+// While paced, a batch carries about this much time at the paced rate.
 constexpr double kPacedBurstS = 0.001;
 // One sendmsg carries up to this many small chunks, checksummed just before it.
 constexpr size_t kMaxBatchChunks = 16;
