@@ -26,7 +26,7 @@ def pacer_test_binary(tmp_path_factory):
 
 @pytest.mark.parametrize("case", PACER_CASES)
 def test_delay_pacer(pacer_test_binary, case):
-    cpp_unit.run_case(pacer_test_binary, case)
+    assert cpp_unit.run_case(pacer_test_binary, case) == (0, f"ok {case}")
 
 
 def test_self_paced_engine_moves_every_byte_and_reports_its_pacer():

@@ -68,7 +68,7 @@ def emulator_test_binary(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case", EMULATOR_CASES)
 def test_verbs_emulator(emulator_test_binary, case):
-    cpp_unit.run_case(emulator_test_binary, case)
+    assert cpp_unit.run_case(emulator_test_binary, case) == (0, f"ok {case}")
 
 
 # ---- device selection and errors -----------------------------------------------------------

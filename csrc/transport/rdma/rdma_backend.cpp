@@ -6,6 +6,8 @@
 #include <cstring>
 #include <set>
 
+#include "../peer_links.h"
+
 namespace pddcore::rdma {
 
 using transfer::BackendHost;
@@ -147,14 +149,8 @@ void RdmaBackend::connect(const PeerInfo& peer) {
 }
 
 void RdmaBackend::disconnect(uint64_t peer_key) {
-  LinkPtr link;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = links_.find(peer_key);
-    if (it == links_.end()) return;
-    link = it->second;
-    links_.erase(it);
-  }
+  LinkPtr link = transfer::take_peer_link(mutex_, links_, peer_key);
+  if (!link) return;
   // The core fails the peer's transfers; destroying the QPs stops the NIC first.
   link->setup.shutdown();
   stop_resolver(*link);
@@ -163,11 +159,7 @@ void RdmaBackend::disconnect(uint64_t peer_key) {
   link->endpoints.clear();
 }
 
-RdmaBackend::LinkPtr RdmaBackend::find_link(uint64_t peer_key) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = links_.find(peer_key);
-  return it == links_.end() ? nullptr : it->second;
-}
+RdmaBackend::LinkPtr RdmaBackend::find_link(uint64_t peer_key) { return transfer::find_peer_link(mutex_, links_, peer_key); }
 
 setup::RegionKey RdmaBackend::remote_region(Link& link, uint64_t region_id, uint64_t offset, uint64_t length) {
   std::lock_guard<std::mutex> setup_lock(link.setup_mutex);

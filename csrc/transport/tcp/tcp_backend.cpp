@@ -8,6 +8,7 @@
 #include <optional>
 #include <set>
 
+#include "../peer_links.h"
 #include "path_sample.h"
 #include "pddcore/crc32c.h"
 
@@ -100,11 +101,7 @@ void TcpBackend::connect(const PeerInfo& peer) {
   }
 }
 
-TcpBackend::LinkPtr TcpBackend::find_link(uint64_t peer_key) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = links_.find(peer_key);
-  return it == links_.end() ? nullptr : it->second;
-}
+TcpBackend::LinkPtr TcpBackend::find_link(uint64_t peer_key) { return find_peer_link(mutex_, links_, peer_key); }
 
 void TcpBackend::post(uint64_t peer_key, std::vector<WriteChunk> chunks) {
   LinkPtr link = find_link(peer_key);
@@ -481,15 +478,7 @@ void TcpBackend::stop_link(const LinkPtr& link) {
 }
 
 void TcpBackend::disconnect(uint64_t peer_key) {
-  LinkPtr link;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = links_.find(peer_key);
-    if (it == links_.end()) return;
-    link = it->second;
-    links_.erase(it);
-  }
-  stop_link(link);
+  if (LinkPtr link = take_peer_link(mutex_, links_, peer_key)) stop_link(link);
 }
 
 void TcpBackend::close() {

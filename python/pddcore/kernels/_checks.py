@@ -89,6 +89,13 @@ def _check_scalars(sm_scale, sliding_window, logit_cap, head_dim: int) -> float:
     return float(sm_scale)
 
 
+def _check_heads(qname: str, heads: int, qdim: int, hkv: int, dim: int) -> None:
+    if qdim != dim:
+        raise ValueError(f"{qname} head_dim {qdim} differs from the pool's {dim}")
+    if heads % hkv:
+        raise ValueError(f"query heads {heads} must be a multiple of KV heads {hkv}")
+
+
 def _read_indptr(name: str, indptr, total: int | None, bound: int | None) -> list[int]:
     """Read an indptr back to the host; it must start at 0 and never decrease."""
     _check_tensor(name, indptr, 1)
@@ -139,10 +146,7 @@ def check_extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         if tuple(t.shape) != (tokens, hkv, dim):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected (T, Hkv, D) = {(tokens, hkv, dim)} "
                              "from q_extend and the pool")
-    if qdim != dim:
-        raise ValueError(f"q_extend head_dim {qdim} differs from the pool's {dim}")
-    if heads % hkv:
-        raise ValueError(f"query heads {heads} must be a multiple of KV heads {hkv}")
+    _check_heads("q_extend", heads, qdim, hkv, dim)
     scale = _check_scalars(sm_scale, sliding_window, logit_cap, dim)
     _check_tensor("kv_indices", kv_indices, 1)
     qo = _read_indptr("qo_indptr", qo_indptr, tokens, None)
@@ -165,10 +169,7 @@ def check_decode(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale, slid
     batch, heads, qdim = q.shape
     if o.shape != q.shape:
         raise ValueError(f"o {tuple(o.shape)} must match q {tuple(q.shape)}")
-    if qdim != dim:
-        raise ValueError(f"q head_dim {qdim} differs from the pool's {dim}")
-    if heads % hkv:
-        raise ValueError(f"query heads {heads} must be a multiple of KV heads {hkv}")
+    _check_heads("q", heads, qdim, hkv, dim)
     scale = _check_scalars(sm_scale, sliding_window, logit_cap, dim)
     _check_tensor("kv_indices", kv_indices, 1)
     kv = _read_indptr("kv_indptr", kv_indptr, None, kv_indices.numel())
