@@ -113,6 +113,70 @@ def test_strided_pages_flashinfer_style():
                        reference_pack([p[:, 0] for p in pools], [p[:, 1] for p in pools], ids, heads=(1, 2)))
 
 
+def strided_pool(kind, num_layers, num_pages, page_size, heads, dim, dtype, seed):
+    """K and V planes as [pages, tokens, heads, dim] views of the memory layout ``kind``:
+    token-major or head-major pages, separate or with K and V halves alternating in each
+    row (vLLM 0.33's per-layer [blocks, heads, block_size, head_size + head_size_v])."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = [], []
+    for _ in range(num_layers):
+        if kind.startswith("kv_rows"):
+            inner = (heads, page_size, 2 * dim) if kind.endswith("hnd") else (page_size, heads, 2 * dim)
+            t = torch.randn((num_pages,) + inner, generator=g).to(dtype)
+            t = t.permute(0, 2, 1, 3) if kind.endswith("hnd") else t
+            k.append(t[..., :dim]), v.append(t[..., dim:])
+        else:
+            for planes in (k, v):
+                t = torch.randn(num_pages, heads, page_size, dim, generator=g).to(dtype)
+                planes.append(t.permute(0, 2, 1, 3) if kind == "hnd" else t.transpose(1, 2).contiguous())
+    return k, v
+
+
+KINDS = ["nhd", "hnd", "kv_rows_nhd", "kv_rows_hnd"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(src_kind=st.sampled_from(KINDS), dst_kind=st.sampled_from(KINDS), num_pages=st.integers(1, 9),
+       page_size=st.sampled_from([1, 2, 5, 16]), heads=st.integers(1, 5), dim=st.sampled_from([1, 3, 8]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_strided_cells_match_reference_across_layouts(src_kind, dst_kind, num_pages, page_size, heads, dim, dtype,
+                                                      data):
+    k, v = strided_pool(src_kind, 2, num_pages, page_size, heads, dim, dtype, seed=1)
+    layout = KVLayout.from_tensors(k, v)
+    ids = torch.tensor(data.draw(st.lists(st.integers(0, num_pages - 1), max_size=7)), dtype=torch.int64)
+    h0 = data.draw(st.integers(0, heads - 1))
+    sel = data.draw(st.sampled_from([None, (h0, data.draw(st.integers(h0 + 1, heads)))]))
+    buf = pack(layout, ids, heads=sel)
+    assert torch.equal(buf, reference_pack(k, v, ids, heads=sel))
+
+    # Canonical bytes: a pool of another layout takes them and packs them back the same.
+    dk, dv = strided_pool(dst_kind, 2, len(ids) + 1, page_size, heads if sel is None else sel[1] - sel[0], dim,
+                          dtype, seed=2)
+    dst = KVLayout.from_tensors(dk, dv)
+    before = [t.clone() for t in dk + dv]
+    dst_ids = torch.arange(1, len(ids) + 1)
+    unpack(dst, dst_ids, buf)
+    assert torch.equal(pack(dst, dst_ids), buf)
+    for a, b in zip(dk + dv, before):
+        assert torch.equal(a[0], b[0])  # page 0 was not a destination: untouched
+
+
+def test_kv_rows_keep_the_other_half_untouched():
+    # K and V share each row: writing the K plane must not touch a byte of V.
+    k, v = strided_pool("kv_rows_nhd", 1, 4, 3, 2, 8, torch.float16, seed=3)
+    k_before, v_before = k[0].clone(), v[0].clone()
+    unpack(KVLayout.from_tensors(k), torch.tensor([2, 0]), torch.zeros(2 * 3 * 2 * 8 * 2, dtype=torch.uint8))
+    assert torch.equal(v[0], v_before)
+    assert not k[0][[0, 2]].any() and torch.equal(k[0][[1, 3]], k_before[[1, 3]])
+
+
+def test_overlapping_cells_rejected():
+    t = torch.zeros(4, 8, 16)
+    overlapping = t.as_strided((4, 2, 3, 8), (128, 16, 4, 1))  # heads 4 elements apart, 8 wide
+    with pytest.raises(ValueError, match="cells overlap"):
+        KVLayout.from_tensors([overlapping])
+
+
 def test_token_pool_grouped_into_pages():
     # SGLang: token-granular pool [slots, heads, dim] with page_size 4.
     k, v = make_pool(2, 24, 1, 2, 8, torch.float32)
@@ -128,9 +192,9 @@ def test_from_pointers_and_sglang_kv_args_match_from_tensors():
     by_tensor = KVLayout.from_tensors(k, v, tokens_per_page=2)
     page_bytes = 2 * 2 * 8 * 2
     by_ptr = KVLayout.from_pointers([t.data_ptr() for t in k], page_bytes, 5, v_ptrs=[t.data_ptr() for t in v],
-                                    tokens_per_page=2, num_kv_heads=2)
+                                    tokens_per_page=2, num_kv_heads=2, device="cpu")
     by_args = KVLayout.from_sglang_kv_args([t.data_ptr() for t in k + v], [t.numel() * 2 for t in k + v],
-                                           [page_bytes] * 6, page_size=2, num_kv_heads=2)
+                                           [page_bytes] * 6, page_size=2, num_kv_heads=2, device="cpu")
     ids = torch.tensor([4, 0, 2])
     want = pack(by_tensor, ids, heads=(1, 2))
     assert torch.equal(pack(by_ptr, ids, heads=(1, 2)), want)
@@ -257,7 +321,9 @@ def test_layout_constructor_errors():
     with pytest.raises(ValueError, match="multiple of tokens_per_page"):
         KVLayout.from_tensors([t], [t], tokens_per_page=3)
     with pytest.raises(ValueError, match="page_bytes"):
-        KVLayout.from_pointers([t.data_ptr()], 10, 4, tokens_per_page=3)
+        KVLayout.from_pointers([t.data_ptr()], 10, 4, tokens_per_page=3, device="cpu")
+    with pytest.raises(TypeError, match="device"):  # where raw pointers point is never guessed
+        KVLayout.from_pointers([t.data_ptr()], 12, 4, tokens_per_page=3)
 
 
 def test_cuda_path_reports_clearly_without_gpu():

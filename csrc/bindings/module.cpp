@@ -22,7 +22,8 @@ void bind_transfer(nb::module_& m);  // transfer_bindings.cpp
 
 namespace {
 
-using PlaneTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>;
+// (base, num_pages, page_stride, tokens_per_page, num_heads, head_bytes, token_stride, head_stride)
+using PlaneTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>;
 using ByteBuffer = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>;
 using IdArray = nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
@@ -51,8 +52,8 @@ NB_MODULE(_C, m) {
           "__init__",
           [](KVLayoutDesc* self, const std::vector<PlaneTuple>& planes, uint32_t planes_per_layer) {
             std::vector<PlaneDesc> descs;
-            for (const auto& [base, num_pages, stride, tokens, heads, head_bytes] : planes)
-              descs.push_back({base, num_pages, stride, tokens, heads, head_bytes});
+            for (const auto& [base, num_pages, stride, tokens, heads, head_bytes, token_stride, head_stride] : planes)
+              descs.push_back({base, num_pages, stride, tokens, heads, head_bytes, token_stride, head_stride});
             new (self) KVLayoutDesc(std::move(descs), planes_per_layer);
           },
           nb::arg("planes"), nb::arg("planes_per_layer"))

@@ -32,7 +32,7 @@ __global__ void copy_items(const CopyItem* items, uint64_t num_items, uint8_t* p
     const CopyItem it = items[i];
     for (uint64_t r = 0; r < it.rows; ++r) {
       uint8_t* pool = reinterpret_cast<uint8_t*>(it.pool_addr + r * it.pool_stride);
-      uint8_t* buf = packed + it.packed_offset + r * it.row_bytes;
+      uint8_t* buf = packed + it.packed_offset + r * it.packed_stride;
       if (kPack)
         copy_row(buf, pool, it.row_bytes);
       else

@@ -2,17 +2,24 @@
 
 A pool is a list of layers; each layer has either two planes (K and V, for MHA and
 GQA) or one plane (the MLA latent). A plane is a tensor (or raw memory) whose dim 0
-is the page index and whose pages are each one contiguous run of bytes::
+is the page index; a page is a grid of ``tokens_per_page x num_kv_heads`` cells, each
+one head of one token (``head_bytes`` contiguous bytes)::
 
-    page = tokens_per_page x num_kv_heads x head_bytes      (bytes, row-major)
+    cell(page, t, h) = base + page * page_stride + t * token_stride + h * head_stride
 
-Pages need not be adjacent (``page_stride >= page_bytes``), so a FlashInfer-style
-``[num_pages, 2, page_size, heads, dim]`` tensor works through its ``[:, 0]`` and
-``[:, 1]`` views. The copy is bytewise, so any dtype works (fp32, fp16, bf16, fp8, int8).
+Dense token-major pages are the common case, but any strides whose cells do not
+overlap work: FlashInfer's ``[num_pages, 2, page_size, heads, dim]`` through its
+``[:, 0]`` and ``[:, 1]`` views, head-major ``[pages, heads, page_size, dim]`` pages
+permuted to ``[pages, page_size, heads, dim]``, and vLLM 0.33's per-layer
+``[blocks, heads, block_size, head_size + head_size_v]`` caches whose K and V halves
+alternate within every row (``t[..., :head_size]`` and ``t[..., head_size:]``,
+permuted). :func:`pddcore.pack` always produces the same canonical byte order, so
+pools of different layouts exchange pages. The copy is bytewise, so any dtype works
+(fp32, fp16, bf16, fp8, int8).
 
 Example::
 
-    k = [torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16) for _ in range(4)]  # vLLM
+    k = [torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16) for _ in range(4)]  # [pages, tokens, heads, dim]
     v = [torch.zeros_like(t) for t in k]
     layout = KVLayout.from_tensors(k, v)
     layout.packed_nbytes(10)          # 4 layers * 2 planes * 10 pages * 32 KiB
@@ -33,7 +40,8 @@ __all__ = ["KVLayout", "PlaneInfo"]
 
 @dataclass(frozen=True)
 class PlaneInfo:
-    """Geometry of one plane. Addresses are host or device pointers."""
+    """Geometry of one plane, in bytes. Addresses are host or device pointers;
+    ``token_stride`` / ``head_stride`` default to a dense token-major page."""
 
     base: int
     num_pages: int
@@ -41,9 +49,18 @@ class PlaneInfo:
     tokens_per_page: int
     num_heads: int
     head_bytes: int
+    token_stride: int = 0
+    head_stride: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.head_stride:
+            object.__setattr__(self, "head_stride", self.head_bytes)
+        if not self.token_stride:
+            object.__setattr__(self, "token_stride", self.num_heads * self.head_stride)
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of one page's cells (what a page packs to)."""
         return self.tokens_per_page * self.num_heads * self.head_bytes
 
 
@@ -63,7 +80,7 @@ class KVLayout:
     :meth:`from_sglang_kv_args`. The layout keeps the tensors it was built from alive.
     """
 
-    def __init__(self, planes: Sequence[PlaneInfo], planes_per_layer: int, device: torch.device | str = "cpu",
+    def __init__(self, planes: Sequence[PlaneInfo], planes_per_layer: int, device: torch.device | str,
                  *, keepalive: object = None):
         if planes_per_layer not in (1, 2):
             raise ValueError(f"planes_per_layer must be 1 (MLA) or 2 (K and V), got {planes_per_layer}")
@@ -72,7 +89,8 @@ class KVLayout:
         self.device = torch.device(device)
         self._keepalive = keepalive
         self._desc = _C.KVLayoutDesc(
-            [(p.base, p.num_pages, p.page_stride, p.tokens_per_page, p.num_heads, p.head_bytes) for p in self.planes],
+            [(p.base, p.num_pages, p.page_stride, p.tokens_per_page, p.num_heads, p.head_bytes, p.token_stride,
+              p.head_stride) for p in self.planes],
             planes_per_layer,
         )
 
@@ -84,9 +102,12 @@ class KVLayout:
 
         Accepted plane shapes (dim 0 is always the page):
 
-        * ``[pages, page_size, kv_heads, head_dim...]`` (vLLM blocks),
+        * ``[pages, page_size, kv_heads, head_dim]``, any strides as long as ``head_dim``
+          is contiguous (vLLM blocks, FlashInfer's K/V views, permuted head-major pages,
+          vLLM 0.33's K and V halves of one cache);
+        * ``[pages, page_size, kv_heads, d0, d1, ...]`` with dense pages;
         * ``[slots, kv_heads, head_dim]`` (SGLang token pool, page size 1; pass
-          ``tokens_per_page=16`` to view 16 consecutive slots as one page),
+          ``tokens_per_page=16`` to view 16 consecutive slots as one page);
         * ``[pages, bytes_or_elements]`` (one opaque row per page).
         """
         if not k:
@@ -108,10 +129,14 @@ class KVLayout:
     def _plane_of(t: torch.Tensor, index: int, tokens_per_page: int | None) -> PlaneInfo:
         if t.dim() < 2:
             raise ValueError(f"plane {index} has shape {tuple(t.shape)}; need dim 0 = pages and at least one more dim")
+        es = t.element_size()
+        if t.dim() == 4 and t.stride(3) == 1:  # [pages, tokens, heads, dim], any cell strides
+            pages, tokens, heads, dim = t.shape
+            return PlaneInfo(t.data_ptr(), pages, t.stride(0) * es, tokens, heads, dim * es, t.stride(1) * es,
+                             t.stride(2) * es)
         inner = t[0] if t.shape[0] > 0 else t.new_empty(t.shape[1:])
         if not inner.is_contiguous():
             raise ValueError(f"plane {index}: pages are not contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
-        es = t.element_size()
         shape = list(t.shape)
         if tokens_per_page is not None and t.dim() == 3:
             if shape[0] % tokens_per_page:
@@ -134,11 +159,14 @@ class KVLayout:
 
     @classmethod
     def from_pointers(cls, k_ptrs: Sequence[int], page_bytes: int | Sequence[int], num_pages: int | Sequence[int], *,
-                      v_ptrs: Sequence[int] | None = None, device: torch.device | str = "cpu",
+                      device: torch.device | str, v_ptrs: Sequence[int] | None = None,
                       tokens_per_page: int = 1, num_kv_heads: int = 1,
                       page_stride: int | None = None) -> "KVLayout":
         """Layout over raw memory: one pointer per layer for K (and V), pages densely packed
-        unless ``page_stride`` says otherwise. The caller keeps that memory alive."""
+        unless ``page_stride`` says otherwise. The caller keeps that memory alive.
+
+        ``device`` is where the pointers point (``"cpu"``, ``"cuda:1"``): it has no default,
+        because reading device memory from CPU threads (or the reverse) crashes."""
         n = len(k_ptrs)
         if n == 0:
             raise ValueError("k_ptrs must hold at least one layer")
@@ -163,10 +191,11 @@ class KVLayout:
 
     @classmethod
     def from_sglang_kv_args(cls, kv_data_ptrs: Sequence[int], kv_data_lens: Sequence[int],
-                            kv_item_lens: Sequence[int], page_size: int, *, num_kv_heads: int = 1,
-                            is_mla: bool = False, device: torch.device | str = "cpu") -> "KVLayout":
+                            kv_item_lens: Sequence[int], page_size: int, *, device: torch.device | str,
+                            num_kv_heads: int = 1, is_mla: bool = False) -> "KVLayout":
         """Layout from SGLang's ``KVArgs`` tables: ``kv_data_ptrs`` lists all K layers then
-        all V layers (MLA: just the latent layers); ``kv_item_lens`` is bytes per page."""
+        all V layers (MLA: just the latent layers); ``kv_item_lens`` is bytes per page.
+        ``device``: where the pool lives (SGLang: ``cuda:{kv_args.gpu_id}``, or ``cpu``)."""
         ptrs, lens, items = list(kv_data_ptrs), list(kv_data_lens), list(kv_item_lens)
         if not (len(ptrs) == len(lens) == len(items)):
             raise ValueError("kv_data_ptrs, kv_data_lens and kv_item_lens must have equal lengths")

@@ -314,11 +314,12 @@ class TransferEngine:
             raise ValueError("cannot register an empty buffer")
         return self._add_region(base, nbytes, keep)
 
-    def register_pointer(self, base: int, nbytes: int) -> Region:
-        """Registers raw memory by address (the caller keeps it alive until unregister)."""
+    def register_pointer(self, base: int, nbytes: int, *, keep_alive: Any = None) -> Region:
+        """Registers raw memory by address. The caller keeps that memory alive until
+        :meth:`unregister`, or passes an owner of it as ``keep_alive`` for the region to hold."""
         if base <= 0 or nbytes <= 0:
             raise ValueError(f"bad memory range: base={base:#x} nbytes={nbytes}")
-        return self._add_region(base, nbytes, None)
+        return self._add_region(base, nbytes, keep_alive)
 
     def _add_region(self, base: int, nbytes: int, keep: Any) -> Region:
         region = Region(self, self._core.register_memory(base, nbytes), base, nbytes, keep)

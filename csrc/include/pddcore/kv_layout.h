@@ -2,16 +2,21 @@
 // packs a selection of its pages into one contiguous buffer.
 //
 // A layout is a list of planes (per layer: K and V for MHA/GQA, one latent plane for
-// MLA). Plane p holds `num_pages` pages, page i starting at base + i * page_stride;
-// one page is `tokens_per_page` rows of `num_heads * head_bytes` contiguous bytes.
+// MLA). Plane p holds `num_pages` pages; page i starts at base + i * page_stride. A page
+// is a grid of `tokens_per_page` x `num_heads` cells of `head_bytes` contiguous bytes,
+// cell (t, h) at page + t * token_stride + h * head_stride. Dense pages (token-major,
+// heads adjacent) are the common case; the strides also describe head-major pages and
+// vLLM's pages whose K and V halves alternate within each (token, head) row.
 //
-// Packed byte order is layer-major: for each selected layer, for each of its planes,
-// for each page id in the order given, the page's bytes (or, with a head range, the
-// selected heads of every token of that page, token after token).
+// Packed byte order is canonical whatever the pool's strides, so pools of different
+// layouts exchange pages: for each selected layer, for each of its planes, for each page
+// id in the order given, token after token, the selected heads' cells.
 #pragma once
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -21,13 +26,19 @@ namespace pddcore {
 struct PlaneDesc {
   uint64_t base = 0;           // address of page 0 (host or device)
   uint64_t num_pages = 0;
-  uint64_t page_stride = 0;    // bytes between page i and page i+1 (>= page_bytes)
+  uint64_t page_stride = 0;    // bytes between page i and page i+1
   uint64_t tokens_per_page = 1;
   uint64_t num_heads = 1;
-  uint64_t head_bytes = 0;     // bytes of one head of one token
+  uint64_t head_bytes = 0;     // bytes of one head of one token (one cell)
+  uint64_t token_stride = 0;   // bytes between token t and t+1 within a page
+  uint64_t head_stride = 0;    // bytes between head h and h+1 within a token
 
   uint64_t row_bytes() const { return num_heads * head_bytes; }
   uint64_t page_bytes() const { return tokens_per_page * row_bytes(); }
+  bool heads_adjacent() const { return num_heads == 1 || head_stride == head_bytes; }
+  bool dense_page() const { return heads_adjacent() && (tokens_per_page == 1 || token_stride == row_bytes()); }
+  // (token, head) cells evenly spaced in token-major order: one strided run covers a page.
+  bool cells_uniform() const { return tokens_per_page == 1 || token_stride == num_heads * head_stride; }
 };
 
 // Half-open KV-head range [begin, end); end == 0 means "all heads".
@@ -36,17 +47,39 @@ struct HeadRange {
   uint64_t end = 0;
 };
 
-// One strided copy: `rows` rows of `row_bytes`, the i-th from packed offset
-// `packed_offset + i * row_bytes` to/from pool address `pool_addr + i * pool_stride`.
+// One strided copy: `rows` rows of `row_bytes`, the i-th between packed offset
+// `packed_offset + i * packed_stride` and pool address `pool_addr + i * pool_stride`.
 struct CopyItem {
   uint64_t pool_addr;
   uint64_t packed_offset;
   uint64_t rows;
   uint64_t row_bytes;
   uint64_t pool_stride;
+  uint64_t packed_stride;
 
   uint64_t nbytes() const { return rows * row_bytes; }
 };
+
+namespace detail {
+
+// True when no two cells of a plane overlap: with its strided dimensions sorted by
+// stride, each stride clears everything the smaller ones span.
+inline bool cells_disjoint(const PlaneDesc& p) {
+  struct Dim {
+    uint64_t stride, count;
+  };
+  Dim dims[3] = {{p.head_stride, p.num_heads}, {p.token_stride, p.tokens_per_page}, {p.page_stride, p.num_pages}};
+  std::sort(std::begin(dims), std::end(dims), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  uint64_t extent = p.head_bytes;
+  for (const Dim& d : dims) {
+    if (d.count <= 1) continue;
+    if (d.stride < extent) return false;
+    extent += d.stride * (d.count - 1);
+  }
+  return true;
+}
+
+}  // namespace detail
 
 class KVLayoutDesc {
  public:
@@ -62,10 +95,11 @@ class KVLayoutDesc {
       const std::string where = "plane " + std::to_string(i) + ": ";
       if (p.head_bytes == 0 || p.num_heads == 0 || p.tokens_per_page == 0)
         throw std::invalid_argument(where + "page geometry has a zero dimension");
-      if (p.page_stride < p.page_bytes())
-        throw std::invalid_argument(where + "pages are not contiguous (page_stride " +
-                                    std::to_string(p.page_stride) + " < page_bytes " +
-                                    std::to_string(p.page_bytes()) + ")");
+      if (!detail::cells_disjoint(p))
+        throw std::invalid_argument(where + "cells overlap (page_stride " + std::to_string(p.page_stride) +
+                                    ", token_stride " + std::to_string(p.token_stride) + ", head_stride " +
+                                    std::to_string(p.head_stride) + ", head_bytes " + std::to_string(p.head_bytes) +
+                                    ")");
       if (p.base == 0 && p.num_pages > 0) throw std::invalid_argument(where + "null base pointer");
     }
   }
@@ -125,8 +159,9 @@ class KVLayoutDesc {
     }
   }
 
-  // Builds the copy plan. Runs of consecutive page ids become one item: a single
-  // contiguous copy when whole, densely strided pages move, else one row per token.
+  // Builds the copy plan. Runs of consecutive page ids become one item when whole,
+  // densely strided pages move; otherwise each page becomes the fewest strided copies
+  // its cell strides allow.
   template <typename Id>
   std::vector<CopyItem> plan(const Id* ids, size_t n, const std::vector<int64_t>& layer_sel,
                              HeadRange head_sel) const {
@@ -138,25 +173,24 @@ class KVLayoutDesc {
       for (uint32_t k = 0; k < planes_per_layer_; ++k) {
         const PlaneDesc& p = plane(l, k);
         const HeadRange h = resolve_heads(p, head_sel);
-        const bool whole_rows = h.begin == 0 && h.end == p.num_heads;
-        const uint64_t slice_row = (h.end - h.begin) * p.head_bytes;
-        const uint64_t slice_page = p.tokens_per_page * slice_row;
+        const uint64_t slice_page = p.tokens_per_page * (h.end - h.begin) * p.head_bytes;
         size_t i = 0;
         while (i < n) {
           size_t run = 1;
           while (i + run < n && static_cast<int64_t>(ids[i + run]) == static_cast<int64_t>(ids[i]) + static_cast<int64_t>(run))
             ++run;
-          const uint64_t addr = p.base + static_cast<uint64_t>(ids[i]) * p.page_stride + h.begin * p.head_bytes;
-          if (whole_rows && p.page_stride == p.page_bytes()) {
-            items.push_back({addr, offset, 1, run * slice_page, 0});
-          } else if (whole_rows) {
-            items.push_back({addr, offset, run, slice_page, p.page_stride});
-          } else if (p.page_stride == p.page_bytes()) {
-            items.push_back({addr, offset, run * p.tokens_per_page, slice_row, p.row_bytes()});
+          const uint64_t page0 = p.base + static_cast<uint64_t>(ids[i]) * p.page_stride;
+          const bool whole_pages = p.dense_page() && h.begin == 0 && h.end == p.num_heads;
+          if (whole_pages && p.page_stride == p.page_bytes()) {
+            items.push_back({page0, offset, 1, run * slice_page, 0, 0});
+          } else if (whole_pages) {
+            items.push_back({page0, offset, run, slice_page, p.page_stride, slice_page});
+          } else if (p.dense_page() && p.page_stride == p.page_bytes()) {  // head slice of adjacent pages
+            const uint64_t slice_row = (h.end - h.begin) * p.head_bytes;
+            items.push_back({page0 + h.begin * p.head_bytes, offset, run * p.tokens_per_page, slice_row, p.row_bytes(),
+                             slice_row});
           } else {
-            for (size_t r = 0; r < run; ++r)
-              items.push_back({addr + r * p.page_stride, offset + r * slice_page, p.tokens_per_page, slice_row,
-                               p.row_bytes()});
+            for (size_t r = 0; r < run; ++r) plan_page(p, h, page0 + r * p.page_stride, offset + r * slice_page, items);
           }
           offset += run * slice_page;
           i += run;
@@ -167,6 +201,22 @@ class KVLayoutDesc {
   }
 
  private:
+  // Copies for the selected heads of one page, packed token after token.
+  static void plan_page(const PlaneDesc& p, HeadRange h, uint64_t page, uint64_t packed, std::vector<CopyItem>& out) {
+    const uint64_t heads = h.end - h.begin;
+    const uint64_t slice_row = heads * p.head_bytes;
+    const uint64_t first = page + h.begin * p.head_stride;
+    if (p.heads_adjacent()) {  // each token's selected heads are one run
+      out.push_back({first, packed, p.tokens_per_page, slice_row, p.token_stride, slice_row});
+    } else if (heads == p.num_heads && p.cells_uniform()) {  // every cell, evenly spaced
+      out.push_back({first, packed, p.tokens_per_page * heads, p.head_bytes, p.head_stride, p.head_bytes});
+    } else {  // one strided copy per selected head
+      for (uint64_t j = 0; j < heads; ++j)
+        out.push_back({first + j * p.head_stride, packed + j * p.head_bytes, p.tokens_per_page, p.head_bytes,
+                       p.token_stride, slice_row});
+    }
+  }
+
   std::vector<PlaneDesc> planes_;
   uint32_t planes_per_layer_;
 };

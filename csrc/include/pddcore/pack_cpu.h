@@ -31,14 +31,14 @@ inline std::vector<CopyItem> slice_items(const std::vector<CopyItem>& items) {
     } else if (it.rows == 1) {
       for (uint64_t done = 0; done < it.row_bytes; done += kSliceBytes) {
         const uint64_t n = std::min(kSliceBytes, it.row_bytes - done);
-        out.push_back({it.pool_addr + done, it.packed_offset + done, 1, n, 0});
+        out.push_back({it.pool_addr + done, it.packed_offset + done, 1, n, 0, 0});
       }
     } else {
       const uint64_t rows_per_slice = std::max<uint64_t>(1, kSliceBytes / it.row_bytes);
       for (uint64_t r = 0; r < it.rows; r += rows_per_slice) {
         const uint64_t n = std::min(rows_per_slice, it.rows - r);
-        out.push_back({it.pool_addr + r * it.pool_stride, it.packed_offset + r * it.row_bytes, n, it.row_bytes,
-                       it.pool_stride});
+        out.push_back({it.pool_addr + r * it.pool_stride, it.packed_offset + r * it.packed_stride, n, it.row_bytes,
+                       it.pool_stride, it.packed_stride});
       }
     }
   }
@@ -50,7 +50,7 @@ inline void run_item(const CopyItem& it, uint8_t* packed) {
   uint8_t* dst = packed + it.packed_offset;
   uint8_t* pool = reinterpret_cast<uint8_t*>(it.pool_addr);
   for (uint64_t r = 0; r < it.rows; ++r)
-    Direction::copy(dst + r * it.row_bytes, pool + r * it.pool_stride, it.row_bytes);
+    Direction::copy(dst + r * it.packed_stride, pool + r * it.pool_stride, it.row_bytes);
 }
 
 template <typename Direction>
