@@ -1,11 +1,13 @@
 """pddcore as a vLLM KV connector: vLLM's real v1 Scheduler loads PDDConnector by module path;
-worker-side connectors in two processes move blocks laid out as vLLM allocates them."""
+worker-side connectors move blocks that vLLM's own allocate_kv_cache laid out (every
+VLLM_KV_CACHE_LAYOUT, kernel-block splitting, MLA), across two processes and TP sizes."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,12 +21,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from pddcore.integrations.vllm import PDDConnector, PDDConnectorMetadata, PDDHandshakeMetadata, _Load  # noqa: E402
+from pddcore import TransferEngine  # noqa: E402
+from pddcore.integrations.vllm import (PDDConnector, PDDConnectorMetadata, PDDHandshakeMetadata, _Load,  # noqa: E402
+                                       _MAGIC)
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS, EOS = 16, 2, 8, 3, 24, 2
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -41,7 +47,7 @@ def make_config(model_dir: Path, role: str, extra: dict | None = None) -> VllmCo
         cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(kv_connector="PDDConnector", kv_connector_module_path="pddcore.integrations.vllm",
                                             kv_role=role, kv_load_failure_policy="recompute",
-                                            kv_connector_extra_config=extra or {}),
+                                            kv_connector_extra_config={"host": "127.0.0.1", **(extra or {})}),
         device_config=DeviceConfig("cpu"))
 
 
@@ -59,11 +65,22 @@ def write_model_config(path: Path) -> None:
         "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "float32", "eos_token_id": EOS}))
 
 
+def attention_spec(heads: int = HEADS, mla: bool = False):
+    if mla:  # one latent per token: kv_lora_rank + rope dims, no V
+        return MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=3 * HEAD_DIM, dtype=torch.bfloat16)
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD_DIM, dtype=torch.float32)
+
+
+def make_kv_cache_config(config: VllmConfig, spec, layout: str = "LBNHC") -> KVCacheConfig:
+    """vLLM's own planner: the KVCacheTensors (offsets, layer and block strides) of ``layout``."""
+    config.cache_config.kv_cache_layout = layout
+    return get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(LAYER_NAMES, spec)],
+                                           NUM_BLOCKS * spec.page_size_bytes * LAYERS)
+
+
 def make_scheduler(model_dir: Path, role: str) -> Scheduler:
     config = make_config(model_dir, role)
-    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(LAYER_NAMES, FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM,
-                                                        dtype=torch.float32))])
+    kv_cache_config = make_kv_cache_config(config, attention_spec())
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=False,
                      structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
@@ -159,12 +176,12 @@ def test_scheduler_recomputes_blocks_a_worker_reports_failed(model_dir, tmp_path
     """A real failed pull (the producer does not hold the request) -> the worker's
     get_block_ids_with_load_errors -> the Scheduler recomputes the prompt."""
     cons = make_scheduler(model_dir, "kv_consumer")
-    producer = make_worker(model_dir, "kv_producer", torch.zeros(1))
-    consumer = make_worker(model_dir, "kv_consumer", torch.zeros(1))
+    producer = make_worker(model_dir, "kv_producer").conn
+    consumer = make_worker(model_dir, "kv_consumer").conn
     try:
         params = dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=[3, 4, 5],
                       remote_engine_id="p", remote_request_id="never-prefilled", tp_size=1,
-                      remote_host="127.0.0.1", remote_port=1, pdd_addresses=[producer.engine.address])
+                      remote_host="127.0.0.1", remote_port=1, pdd_addresses=[producer.address])
         req = make_request("d-f", list(range(40)), 3, params)
         cons.add_request(req)
         out = cons.schedule()
@@ -186,14 +203,59 @@ def test_scheduler_recomputes_blocks_a_worker_reports_failed(model_dir, tmp_path
 
 # ---- worker side ------------------------------------------------------------------------------
 
-def make_worker(model_dir: Path, role: str, kv: torch.Tensor, tp_rank: int = 0, tp: int = 1,
-                extra: dict | None = None) -> PDDConnector:
+@dataclass
+class Worker:
+    """A worker-side connector over KV caches from vLLM's allocate_kv_cache (random contents)."""
+
+    conn: PDDConnector
+    kv: dict[str, torch.Tensor]
+    spec: object
+
+    def blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """K and V (MLA: the latent) of every layer at ``block_ids`` as [blocks, tokens, heads, dim]."""
+        out = []
+        for name in LAYER_NAMES:
+            t = self.kv[name]
+            r = t.shape[0] // NUM_BLOCKS  # kernel blocks per block
+            cells = t.unflatten(0, (NUM_BLOCKS, r)).permute(0, 1, 3, 2, 4).flatten(1, 2)[block_ids]
+            halves = [cells[..., :HEAD_DIM], cells[..., HEAD_DIM:]] if self.spec.head_size_v else [cells]
+            out += [h.contiguous() for h in halves]
+        return out
+
+
+def make_worker(model_dir: Path, role: str, tp_rank: int = 0, tp: int = 1, heads: int = HEADS, *,
+                layout: str = "LBNHC", kernel_block: int | None = None, mla: bool = False, seed: int = 0,
+                extra: dict | None = None) -> Worker:
     config = make_config(model_dir, role, {"tp_rank": tp_rank, "load_timeout_s": 30, **(extra or {})})
     config.parallel_config.tensor_parallel_size = tp
-    conn = PDDConnector(config, KVConnectorRole.WORKER, None)
-    if kv.dim() == 6:
-        conn.register_kv_caches({name: kv[i] for i, name in enumerate(LAYER_NAMES)})
-    return conn
+    spec = attention_spec(heads, mla)
+    kv_cache_config = make_kv_cache_config(config, spec, layout)
+    kv = allocate_kv_cache(kv_cache_config, torch.device("cpu"), config.cache_config.get_resolved_kv_cache_layout(),
+                           None if kernel_block is None else [kernel_block])
+    gen = torch.Generator().manual_seed(seed)
+    for t in kv.values():
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    conn = PDDConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    conn.register_kv_caches(kv)
+    return Worker(conn, kv, spec)
+
+
+def worker_step(worker: Worker, meta: PDDConnectorMetadata, *, forward: bool = False) -> KVConnectorOutput:
+    """One model-runner step around the connector, in the order vLLM 0.33's
+    KVConnectorModelRunnerMixin calls it."""
+    conn = worker.conn
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    if forward:
+        for name in LAYER_NAMES:
+            conn.save_kv_layer(name, worker.kv[name], None)
+    conn.wait_for_save()
+    results = conn.get_transfer_results(set())
+    out = KVConnectorOutput(finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+                            failed_recving=results.failed_recving,
+                            invalid_block_ids=conn.get_block_ids_with_load_errors())
+    conn.clear_connector_metadata()
+    return out
 
 
 def drive(connectors, until, timeout=60.0):
@@ -217,83 +279,148 @@ def drive(connectors, until, timeout=60.0):
     raise AssertionError(f"timed out: {acc}")
 
 
+def as_bytes(tensors: list[torch.Tensor]) -> list[bytes]:
+    return [t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
+
+
 def consumer_process(model_dir: str, jobs: list[dict], pipe) -> None:
-    """Child process: one consumer worker per job pulls blocks; sends back its whole KV cache."""
+    """Child process: one consumer worker per rank pulls a job's blocks; sends back their contents."""
     torch.set_num_threads(1)
     try:
         for job in jobs:
-            kv = torch.zeros(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS * job["p_tp"] // job["d_tp"], HEAD_DIM)
-            conns = [make_worker(Path(model_dir), "kv_consumer", kv.clone(), r, job["d_tp"]) for r in range(job["d_tp"])]
+            workers = [make_worker(Path(model_dir), "kv_consumer", r, job["d_tp"], job["heads"] // job["d_tp"],
+                                   layout=job["d_layout"], kernel_block=job["d_kernel"], mla=job["mla"], seed=50 + r)
+                       for r in range(job["d_tp"])]
             pipe.send("ready")
             addresses = pipe.recv()
-            kvs = []
-            for rank, conn in enumerate(conns):
+            for rank, w in enumerate(workers):
                 params = dict(remote_request_id="p-req", pdd_addresses=addresses, tp_size=job["p_tp"],
                               remote_block_ids=job["p_blocks"], remote_host="127.0.0.1", remote_port=1)
-                meta = PDDConnectorMetadata(loads={"d-req": _Load(job["d_blocks"], job["skip"], params)})
-                conn.bind_connector_metadata(meta)
-                conn.start_load_kv(None)
-                conn.clear_connector_metadata()
-            results, errors = drive(conns, lambda r, e: all(x.finished_recving for x in r))
-            for conn in conns:
-                kvs.append(torch.stack([t for t in conn.layout._keepalive]).numpy())
-                conn.shutdown()
+                w.conn.bind_connector_metadata(PDDConnectorMetadata(loads={"d-req": _Load(job["d_blocks"], job["skip"],
+                                                                                          params)}))
+                w.conn.start_load_kv(None)
+                w.conn.clear_connector_metadata()
+            results, errors = drive([w.conn for w in workers], lambda r, e: all(x.finished_recving for x in r))
             pipe.send({"failed": [sorted(r.failed_recving) for r in results], "errors": [sorted(e) for e in errors],
-                       "kv": kvs})
+                       "kv": [as_bytes(w.blocks(job["d_blocks"])) for w in workers]})
+            for w in workers:
+                w.conn.shutdown()
     except Exception as exc:
         pipe.send({"crash": repr(exc)})
 
 
-@pytest.mark.parametrize("jobs", [[dict(p_tp=1, d_tp=1, skip=0), dict(p_tp=2, d_tp=1, skip=1),
-                                   dict(p_tp=1, d_tp=2, skip=0)]], ids=["tp1-1,tp2-1+prefix,tp1-2"])
-def test_workers_in_two_processes_move_blocks_byte_identical(model_dir, jobs):
+JOBS = [  # producer and consumer layouts differ on purpose: the wire format is canonical
+    dict(p_tp=1, d_tp=1, skip=0, p_layout="LBNHC", d_layout="LBHNC", p_kernel=None, d_kernel=None, mla=False),
+    dict(p_tp=2, d_tp=1, skip=1, p_layout="BLNHC", d_layout="LBNHC", p_kernel=None, d_kernel=8, mla=False),
+    dict(p_tp=1, d_tp=2, skip=0, p_layout="LBNHC", d_layout="BHLNC", p_kernel=4, d_kernel=None, mla=False),
+    dict(p_tp=1, d_tp=1, skip=0, p_layout="LHBNC", d_layout="LBNHC", p_kernel=None, d_kernel=None, mla=True),
+]
+
+
+def test_workers_in_two_processes_move_vllm_allocated_blocks_byte_identical(model_dir):
     p_blocks = [5, 2, 9, 14]
-    for job in jobs:
-        job.update(p_blocks=p_blocks, d_blocks=[1, 7, 3, 20][job["skip"]:])
+    for job in JOBS:
+        job.update(p_blocks=p_blocks, d_blocks=[1, 7, 3, 20][job["skip"]:], heads=1 if job["mla"] else 2 * HEADS)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=consumer_process, args=(str(model_dir), jobs, child), daemon=True)
+    proc = ctx.Process(target=consumer_process, args=(str(model_dir), JOBS, child), daemon=True)
     proc.start()
     try:
-        for n, job in enumerate(jobs):
-            total = HEADS * job["p_tp"]  # the model's KV heads, split over the producer's TP ranks
-            gen = torch.Generator().manual_seed(n)
-            full = torch.randn(LAYERS, 2, NUM_BLOCKS, BLOCK, total, HEAD_DIM, generator=gen)
-            per = total // job["p_tp"]
-            producers = [make_worker(model_dir, "kv_producer", full[..., r * per:(r + 1) * per, :].clone(), r,
-                                     job["p_tp"]) for r in range(job["p_tp"])]
-            for conn in producers:  # prefill step: save layer by layer, then the request finishes
-                conn.bind_connector_metadata(PDDConnectorMetadata(saves={"p-req": p_blocks}))
-                for i, name in enumerate(LAYER_NAMES):
-                    conn.save_kv_layer(name, conn.layout._keepalive[2 * i], None)
-                conn.wait_for_save()
-                conn.bind_connector_metadata(PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
-                conn.wait_for_save()
+        for n, job in enumerate(JOBS):
+            producers = [make_worker(model_dir, "kv_producer", r, job["p_tp"], job["heads"] // job["p_tp"],
+                                     layout=job["p_layout"], kernel_block=job["p_kernel"], mla=job["mla"], seed=n * 10 + r)
+                         for r in range(job["p_tp"])]
+            for w in producers:  # the prefill step saves layer by layer, then the request finishes
+                worker_step(w, PDDConnectorMetadata(saves={"p-req": p_blocks}), forward=True)
+                worker_step(w, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
             msg = parent.recv()
             assert msg == "ready", msg
-            parent.send([c.engine.address for c in producers])
-            sent, _ = drive(producers, lambda r, e: all(x.finished_sending for x in r))
+            parent.send([w.conn.address for w in producers])
+            sent, _ = drive([w.conn for w in producers], lambda r, e: all(x.finished_sending for x in r))
             assert all(r.finished_sending == {"p-req"} for r in sent)
             result = parent.recv()
             assert "crash" not in result, result
-            assert result["failed"] == [[]] * job["d_tp"] and result["errors"] == [[]] * job["d_tp"]
-            d_per = total // job["d_tp"]
+            assert result["failed"] == [[]] * job["d_tp"] and result["errors"] == [[]] * job["d_tp"], job
+            # The model's heads, each producer rank holding a contiguous share; the consumer ranks split them anew.
+            planes = [torch.cat(parts, dim=2) for parts in zip(*(w.blocks(p_blocks[job["skip"]:]) for w in producers))]
+            d_per = job["heads"] // job["d_tp"]
             for rank, got in enumerate(result["kv"]):
-                want = torch.zeros(LAYERS, 2, NUM_BLOCKS, BLOCK, d_per, HEAD_DIM)
-                want[:, :, job["d_blocks"]] = full[:, :, p_blocks[job["skip"]:], :, rank * d_per:(rank + 1) * d_per]
-                assert torch.equal(torch.from_numpy(got).view_as(want), want)
-            for conn in producers:
-                assert not conn._staged and not conn.engine.regions()  # staging released
-                conn.shutdown()
+                want = as_bytes([p[:, :, rank * d_per:(rank + 1) * d_per] for p in planes])
+                assert got == want, (job, rank)
+            for w in producers:
+                assert not w.conn._staged and not w.conn._serving  # staging released to the pool
+                w.conn.shutdown()
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
 
 
+def engine_step(sched: Scheduler, worker: Worker, *, forward: bool = False) -> tuple[dict, KVConnectorOutput]:
+    """One engine step: schedule, run the worker's connector hooks, feed the outputs back."""
+    out = sched.schedule()
+    kv_out = worker_step(worker, out.kv_connector_metadata, forward=forward)
+    reqs = [sched.requests[r] for r in out.num_scheduled_tokens]
+    sched.update_from_output(out, runner_output(reqs, kv_out))
+    return dict(out.num_scheduled_tokens), kv_out
+
+
+def test_scheduler_and_workers_end_to_end_a_malformed_message_fails_one_request(model_dir):
+    """The real Schedulers on both sides and their workers, step by step; a forged, malformed
+    "done" for one request fails that request (vLLM recomputes it), the other lands intact."""
+    prod, cons = make_scheduler(model_dir, "kv_producer"), make_scheduler(model_dir, "kv_consumer")
+    pw = make_worker(model_dir, "kv_producer", seed=1)
+    cw = make_worker(model_dir, "kv_consumer", seed=2)
+    rogue = TransferEngine()
+    try:
+        prod.connector.set_xfer_handshake_metadata({0: pw.conn.get_handshake_metadata()})
+        prompts = {"A": list(range(100, 140)), "B": list(range(300, 340))}
+        reqs = [make_request(f"p-{k}", p, 1, {"do_remote_decode": True}) for k, p in prompts.items()]
+        for r in reqs:
+            prod.add_request(r)
+        out = prod.schedule()
+        prod_blocks = {r.request_id: prod.kv_cache_manager.get_block_ids(r.request_id)[0] for r in reqs}
+        outputs = prod.update_from_output(out, runner_output(reqs, worker_step(pw, out.kv_connector_metadata,
+                                                                               forward=True)))
+        params = {o.request_id: o.kv_transfer_params for eo in outputs.values() for o in eo.outputs}
+        assert params["p-A"]["pdd_addresses"] == [pw.conn.address]
+
+        for k in prompts:
+            cons.add_request(make_request(f"d-{k}", prompts[k], 3, dict(params[f"p-{k}"])))
+        out = cons.schedule()
+        loads = out.kv_connector_metadata.loads
+        cons.update_from_output(out, runner_output([], worker_step(cw, out.kv_connector_metadata)))
+        rogue.send(rogue.connect(cw.conn.address), _MAGIC + json.dumps({"k": "done", "req": "d-A", "src": "0"}).encode())
+
+        deadline, first_scheduled, failed, finished = time.monotonic() + 60, {}, set(), set()
+        while "d-A" not in failed:  # the consumer acts on the forged message before the producer serves
+            assert time.monotonic() < deadline
+            _, kv_out = engine_step(cons, cw)
+            failed |= kv_out.failed_recving
+            if kv_out.failed_recving:
+                assert kv_out.invalid_block_ids == set(loads["d-A"].local_block_ids)
+        while "d-B" not in finished:  # both engines step until B's pull was served and applied
+            assert time.monotonic() < deadline
+            engine_step(prod, pw)
+            scheduled, kv_out = engine_step(cons, cw)
+            for req, n in scheduled.items():
+                first_scheduled.setdefault(req, n)
+            assert not kv_out.failed_recving and not kv_out.invalid_block_ids
+            finished |= kv_out.finished_recving
+        scheduled, _ = engine_step(cons, cw)
+        for req, n in scheduled.items():
+            first_scheduled.setdefault(req, n)
+        assert first_scheduled == {"d-A": 40, "d-B": 1}  # A recomputed in full, B only its last prompt token
+        d_blocks = cons.kv_cache_manager.get_block_ids("d-B")[0]
+        assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(prod_blocks["p-B"]))
+    finally:
+        rogue.close()
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
 def test_consumer_load_times_out_and_reports_blocks(model_dir):
-    consumer = make_worker(model_dir, "kv_consumer", torch.zeros(LAYERS, 2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM),
-                           extra={"load_timeout_s": 0.2})
+    consumer = make_worker(model_dir, "kv_consumer", extra={"load_timeout_s": 0.2}).conn
     try:
         params = dict(remote_request_id="r", pdd_addresses=["127.0.0.1:1"], tp_size=1, remote_block_ids=[0, 1],
                       remote_host="127.0.0.1", remote_port=1)  # nobody listens there: no answer ever comes
@@ -301,18 +428,53 @@ def test_consumer_load_times_out_and_reports_blocks(model_dir):
         consumer.start_load_kv(None)
         results, errors = drive([consumer], lambda r, e: r[0].finished_recving, timeout=30)
         assert results[0].failed_recving == {"d"} and errors[0] == {4, 6}
-        assert not consumer.engine.regions()  # staging released
+        assert all(r.nbytes >= 64 << 10 for r in consumer.engine.regions())  # only the pool's idle buffer is left
+        assert consumer.staging._idle_bytes == sum(r.nbytes for r in consumer.engine.regions())
     finally:
         consumer.shutdown()
 
 
-def test_register_kv_caches_rejects_unknown_shapes(model_dir):
-    conn = make_worker(model_dir, "kv_producer", torch.zeros(1))
+def test_register_kv_caches_rejects_shapes_vllm_does_not_allocate(model_dir):
+    w = make_worker(model_dir, "kv_producer")
     try:
-        with pytest.raises(ValueError, match="unsupported KV cache shape"):
-            conn.register_kv_caches({"l0": torch.zeros(4, 4, 4, 4)})
+        with pytest.raises(ValueError, match="is not vLLM's"):  # the pre-0.33 [2, blocks, ...] shape
+            w.conn.register_kv_caches({name: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM) for name in LAYER_NAMES})
+        with pytest.raises(ValueError, match="no KV cache"):
+            w.conn.register_kv_caches({})
     finally:
-        conn.shutdown()
+        w.conn.shutdown()
+
+
+def test_hybrid_model_gets_a_clear_error(model_dir):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    config = make_config(model_dir, "kv_producer")
+    hybrid = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(LAYER_NAMES[:1], attention_spec()),
+        KVCacheGroupSpec(LAYER_NAMES[1:], SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM,
+                                                            dtype=torch.float32, sliding_window=32))])
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="hybrid"):
+            PDDConnector(config, role, hybrid)
+
+
+def test_piecewise_cudagraphs_and_any_layout():
+    assert PDDConnector.requires_piecewise_for_cudagraph({}) is True  # save_kv_layer runs between layers
+    assert PDDConnector.get_required_kvcache_layout(None) is None
+
+
+def test_wildcard_host_is_advertised_as_the_routable_address(model_dir, monkeypatch):
+    """Listening on 0.0.0.0 advertises vLLM's get_ip() (VLLM_HOST_IP), never 0.0.0.0, and a peer
+    reaches the worker at the advertised address."""
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.9")
+    w = make_worker(model_dir, "kv_producer", extra={"host": "0.0.0.0"})
+    try:
+        host, _, port = w.conn.get_handshake_metadata().address.rpartition(":")
+        assert host == "127.0.0.9" and int(port) > 0
+        with TransferEngine() as peer:
+            assert peer.connect(w.conn.address).connected
+    finally:
+        w.conn.shutdown()
 
 
 @pytest.mark.gpu

@@ -24,11 +24,22 @@ Data path (push over :class:`pddcore.TransferEngine`, TCP):
   through ``get_block_ids_with_load_errors`` (and the request in ``failed_recving``), so vLLM
   recomputes them rather than read a half-written block.
 
-``kv_connector_extra_config`` keys: ``host`` (listen address, default 127.0.0.1), ``port``
-(base port; rank r listens on port + r; default: any free port, published through the
-handshake metadata), ``lease_s`` (producer keeps unsent KV this long, default 60),
-``load_timeout_s`` (consumer gives up, default 60), ``auth_token``, ``tp_rank`` (override
-for tests or out-of-engine use). Attention layers only (one KV-cache group; no HMA).
+KV caches: whatever vLLM's ``allocate_kv_cache`` gives, in any ``VLLM_KV_CACHE_LAYOUT``
+(per layer a ``[blocks, heads, block_size, head_size + head_size_v]`` view with K and V
+side by side in each row; MLA: one latent of ``head_size``), kernel-block splitting
+included. The bytes on the wire are pddcore's canonical packed order, so the two sides
+may use different layouts, block splits and TP sizes. Staging buffers come from a
+:class:`~pddcore.integrations._staging.StagingPool`: pinned host memory when the KV is on a
+GPU, registered once and reused.
+
+``kv_connector_extra_config`` keys: ``host`` (listen address; default: this host's IP as
+vLLM's ``get_ip()`` finds it, which honours ``VLLM_HOST_IP``), ``advertise_host`` (the
+address peers connect to, when it differs from ``host``; ``0.0.0.0`` is never
+advertised), ``port`` (base port; rank r listens on port + r; default: any free port,
+published through the handshake metadata), ``lease_s`` (producer keeps unsent KV this
+long, default 60), ``load_timeout_s`` (consumer gives up, default 60), ``auth_token``,
+``tp_rank`` (override for tests or out-of-engine use). Attention layers only: one KV-cache
+group (a hybrid model, which needs vLLM's hybrid allocator, is refused with a clear error).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +63,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..layout import KVLayout
 from ..pack import pack, unpack
-from ..transfer import Peer, Region, Transfer, TransferEngine
+from ..transfer import Peer, Transfer, TransferEngine
 from ._heads import destinations_of, head_sources
+from ._staging import StagingBuffer, StagingPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,8 +85,67 @@ def _encode(kind: str, **fields: Any) -> bytes:
     return _MAGIC + json.dumps({"k": kind, **fields}).encode()
 
 
-def _decode(payload: bytes) -> dict | None:
-    return json.loads(payload[len(_MAGIC):]) if payload.startswith(_MAGIC) else None
+class _BadMessage(ValueError):
+    """A control message that is not what its kind promises."""
+
+
+# Fields each control message must carry, with their types.
+_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "pull": {"req": str, "d_req": str, "skip_blocks": int, "num_blocks": int, "d_tp": int,
+             "src_heads": (list, type(None)), "region": str, "offset": int, "seg_bytes": int, "reply": str},
+    "done": {"req": str, "src": int},
+    "fail": {"req": str, "reason": str},
+    "drop": {"req": str},
+}
+
+
+def _decode(payload: bytes) -> dict:
+    """The message in ``payload``; raises :class:`_BadMessage` naming what is wrong."""
+    if not payload.startswith(_MAGIC):
+        raise _BadMessage("not a PDDConnector message")
+    try:
+        msg = json.loads(payload[len(_MAGIC):])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _BadMessage(f"undecodable: {exc}") from None
+    if not isinstance(msg, dict) or msg.get("k") not in _FIELDS:
+        raise _BadMessage(f"unknown kind {msg.get('k') if isinstance(msg, dict) else msg!r}")
+    for name, kind in _FIELDS[msg["k"]].items():
+        if not isinstance(msg.get(name), kind) or isinstance(msg.get(name), bool):
+            raise _BadMessage(f"{msg['k']}: field {name!r} is {msg.get(name)!r}")
+    return msg
+
+
+def _single_attention_group(kv_cache_config: "KVCacheConfig | None") -> Any:
+    """The one attention KV-cache group's spec; a clear error for hybrid models."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    if kv_cache_config is None:
+        return None
+    groups = kv_cache_config.kv_cache_groups
+    specs = [g.kv_cache_spec for g in groups]
+    if len(groups) != 1 or not isinstance(specs[0], AttentionSpec):
+        raise ValueError("PDDConnector moves one attention KV-cache group; this model has "
+                         f"{[type(spec).__name__ for spec in specs]} (a hybrid model, e.g. sliding-window or "
+                         "Mamba layers under vLLM's hybrid KV-cache manager). Serve it with "
+                         "--disable-hybrid-kv-cache-manager if its layers allow, or use another connector.")
+    spec = specs[0]
+    if getattr(spec, "state_content_bytes", None) is not None or getattr(spec, "num_head_slots", None) is not None:
+        raise ValueError(f"PDDConnector: {type(spec).__name__} packs its pages itself (state_content_bytes / "
+                         "num_head_slots); only dense K/V or MLA latent pages are supported")
+    return spec
+
+
+def advertised_host(extra: Mapping[str, Any]) -> tuple[str, str]:
+    """``(listen host, advertised host)`` from ``kv_connector_extra_config``: a wildcard or
+    missing ``host`` is advertised as vLLM's ``get_ip()`` (``VLLM_HOST_IP`` when set), never as
+    ``0.0.0.0``; ``advertise_host`` overrides the advertised one."""
+    from vllm.utils.network_utils import get_ip
+
+    listen = extra.get("host") or get_ip()
+    advertise = extra.get("advertise_host") or listen
+    if advertise in ("0.0.0.0", "::", ""):
+        advertise = get_ip()
+    return listen, advertise
 
 
 @dataclass
@@ -115,7 +187,8 @@ class PDDConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.engine_id = self._kv_transfer_config.engine_id
-        self.host = extra.get("host", "127.0.0.1")
+        self.attention_spec = _single_attention_group(kv_cache_config)
+        self.listen_host, self.host = advertised_host(extra)
         self.base_port = extra.get("port")
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
@@ -133,7 +206,11 @@ class PDDConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
-        return "NHD"  # [blocks, block_size, heads, dim] planes: what pack(heads=...) slices
+        return None  # KVLayout takes any cell strides vLLM allocates
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # save_kv_layer runs between layers: it cannot live inside a captured graph
 
     # ============================== scheduler side ==============================
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -221,13 +298,16 @@ class PDDConnector(KVConnectorBase_V1):
 
             self.tp_rank = get_tensor_model_parallel_rank()
         port = 0 if self.base_port is None else int(self.base_port) + self.tp_rank
-        self.engine = TransferEngine(listen=f"{self.host}:{port}", auth_token=extra.get("auth_token"))
+        self.engine = TransferEngine(listen=f"{self.listen_host}:{port}", auth_token=extra.get("auth_token"))
+        self.address = f"{self.host}:{self.engine.address.rpartition(':')[2]}"
         self.layout: KVLayout | None = None
+        self.staging: StagingPool | None = None
+        self.pages_per_block = 1
         self._layer_index: dict[str, int] = {}
         self._peers: dict[str, Peer] = {}
         self._staged: dict[str, _Staged] = {}          # producer: req -> packed KV
         self._pulls: dict[str, list[tuple[str, dict]]] = {}   # producer: req -> pull requests received
-        self._serving: dict[str, list[tuple[Transfer, Region | None, dict]]] = {}
+        self._serving: dict[str, list[tuple[Transfer, StagingBuffer | None, dict]]] = {}
         self._served: dict[str, int] = {}
         self._pending_loads: dict[str, _PendingLoad] = {}   # consumer
         self._finished_sending: set[str] = set()
@@ -236,26 +316,48 @@ class PDDConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Builds the :class:`KVLayout` over vLLM's per-layer caches: ``[2, blocks, block_size,
-        heads, dim]`` (K/V first), ``[blocks, 2, ...]`` (K/V second) or ``[blocks, block_size, dim]`` (MLA)."""
-        k, v, mla = [], [], []
-        for name, t in kv_caches.items():
-            self._layer_index[name] = len(self._layer_index)
-            if t.dim() == 5 and t.shape[0] == 2:
-                k.append(t[0]), v.append(t[1])
-            elif t.dim() == 5 and t.shape[1] == 2:
-                k.append(t[:, 0]), v.append(t[:, 1])
-            elif t.dim() == 3:
-                mla.append(t)
-            else:
-                raise ValueError(f"layer {name}: unsupported KV cache shape {tuple(t.shape)}")
-        if mla and k:
-            raise ValueError("a mix of MLA and K/V layers is not supported")
-        self.layout = KVLayout.from_tensors(mla) if mla else KVLayout.from_tensors(k, v)
-        self.total_kv_heads = 1 if mla else self.layout.planes[0].num_heads * self.tp_size
+        """Builds the :class:`KVLayout` over the caches vLLM's ``allocate_kv_cache`` made.
+
+        Each layer is a ``[blocks * pages_per_block, heads, block_size / pages_per_block,
+        head_size + head_size_v]`` view (any strides: the layout decides them); K is the first
+        ``head_size`` elements of every row, V the rest; MLA has no V.
+        """
+        spec = self.attention_spec
+        if spec is None:
+            raise ValueError("PDDConnector.register_kv_caches needs the KVCacheConfig vLLM passes to the connector")
+        head_k, head_v = spec.head_size, spec.head_size_v
+        k, v, seen = [], [], set()
+        for name in self._kv_cache_config.kv_cache_groups[0].layer_names:
+            t = kv_caches.get(name)
+            if t is None:
+                raise ValueError(f"layer {name}: no KV cache registered for it")
+            if t.dim() != 4 or t.shape[-1] != head_k + head_v:
+                raise ValueError(f"layer {name}: KV cache of shape {tuple(t.shape)} is not vLLM's [blocks, heads, "
+                                 f"block_size, head_size + head_size_v = {head_k + head_v}] view")
+            if (t.data_ptr(), t.stride()) in seen:  # a layer that reuses another's cache (KV sharing)
+                continue
+            seen.add((t.data_ptr(), t.stride()))
+            self._layer_index[name] = len(k)
+            cells = t.permute(0, 2, 1, 3)  # [pages, tokens, heads, row]
+            k.append(cells[..., :head_k])
+            if head_v:
+                v.append(cells[..., head_k:])
+        self.layout = KVLayout.from_tensors(k, v or None)
+        num_blocks = self._kv_cache_config.num_blocks
+        if self.layout.num_pages % num_blocks:
+            raise ValueError(f"{self.layout.num_pages} kernel blocks do not split evenly into {num_blocks} blocks")
+        self.pages_per_block = self.layout.num_pages // num_blocks
+        self.total_kv_heads = 1 if self.layout.is_mla else self.layout.planes[0].num_heads * self.tp_size
+        self.staging = StagingPool(self.engine, self.layout.device)
+
+    def _pages(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """Layout page ids of vLLM blocks (a block spans ``pages_per_block`` kernel blocks)."""
+        blocks = torch.as_tensor(block_ids, dtype=torch.int64)
+        r = self.pages_per_block
+        return (blocks[:, None] * r + torch.arange(r)).reshape(-1) if r > 1 else blocks
 
     def get_handshake_metadata(self) -> PDDHandshakeMetadata:
-        return PDDHandshakeMetadata(self.engine.address, self.tp_rank, self.tp_size, getattr(self, "total_kv_heads", 0))
+        return PDDHandshakeMetadata(self.address, self.tp_rank, self.tp_size, getattr(self, "total_kv_heads", 0))
 
     def _peer(self, address: str) -> Peer:
         if address not in self._peers or not self._peers[address].connected:
@@ -271,15 +373,15 @@ class PDDConnector(KVConnectorBase_V1):
     # -- producer --------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, PDDConnectorMetadata) or not meta.saves:
+        if not isinstance(meta, PDDConnectorMetadata) or not meta.saves or layer_name not in self._layer_index:
             return
         layer = self._layer_index[layer_name]
         for req_id, block_ids in meta.saves.items():
             staged = self._staged.get(req_id)
             if staged is None:
-                staged = self._staged[req_id] = _Staged.allocate(self.layout, block_ids)
+                staged = self._staged[req_id] = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
             lo, hi = staged.layer_range(layer)
-            pack(self.layout, staged.block_ids, layers=[layer], out=staged.buffer[lo:hi])
+            pack(self.layout, staged.pages, layers=[layer], out=staged.buffer.tensor[lo:hi])
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
@@ -312,24 +414,27 @@ class PDDConnector(KVConnectorBase_V1):
     def _serve_one(self, req_id: str, staged: "_Staged", address: str, pull: dict) -> None:
         heads = tuple(pull["src_heads"]) if pull["src_heads"] else None
         skip, n = pull["skip_blocks"], pull["num_blocks"]
-        if skip + n > len(staged.block_ids):
-            raise ValueError(f"pull for blocks [{skip}, {skip + n}) but the request has {len(staged.block_ids)}")
-        if self.layout.packed_nbytes(n, heads=heads) != pull["seg_bytes"]:
-            raise ValueError(f"consumer staged {pull['seg_bytes']} bytes, this layout packs "
-                             f"{self.layout.packed_nbytes(n, heads=heads)} (block geometry differs)")
-        if heads is None and skip == 0 and n == len(staged.block_ids):
-            src, region, own = staged.buffer, staged.region(self.engine), None
+        blocks = staged.num_pages // self.pages_per_block
+        if skip < 0 or n <= 0 or skip + n > blocks:
+            raise ValueError(f"pull for blocks [{skip}, {skip + n}) but the request has {blocks}")
+        nbytes = self.layout.packed_nbytes(n * self.pages_per_block, heads=heads)
+        if nbytes != pull["seg_bytes"]:
+            raise ValueError(f"consumer staged {pull['seg_bytes']} bytes, this layout packs {nbytes} "
+                             "(block geometry differs)")
+        if heads is None and skip == 0 and n == blocks:
+            src, own = staged.buffer, None
         else:
-            src = pack(staged.layout, torch.arange(skip, skip + n), heads=heads)
-            region = own = self.engine.register(src)
-        transfer = self.engine.write(self._peer(address), region, 0, bytes.fromhex(pull["region"]), pull["offset"],
-                                     src.numel(), notify=_encode("done", req=pull["d_req"], src=self.tp_rank))
+            src = own = self.staging.acquire(nbytes)
+            first = skip * self.pages_per_block
+            pack(staged.layout, torch.arange(first, first + n * self.pages_per_block), heads=heads, out=own.tensor)
+        transfer = self.engine.write(self._peer(address), src.region, 0, bytes.fromhex(pull["region"]), pull["offset"],
+                                     nbytes, notify=_encode("done", req=pull["d_req"], src=self.tp_rank))
         self._serving.setdefault(req_id, []).append((transfer, own, pull))
 
     def _drop_send(self, req_id: str) -> None:
         staged = self._staged.pop(req_id, None)
         if staged is not None:
-            staged.release(self.engine)
+            self.staging.release(staged.buffer)
         self._pulls.pop(req_id, None)
         self._served.pop(req_id, None)
 
@@ -344,7 +449,7 @@ class PDDConnector(KVConnectorBase_V1):
                 if transfer.status != "done":
                     self._send_control(pull["reply"], "fail", req=pull["d_req"], reason=f"transfer {transfer.error}")
                 if own is not None:
-                    self.engine.unregister(own)
+                    self.staging.release(own)
                 self._served[req_id] = self._served.get(req_id, 0) + 1
             self._serving[req_id] = remaining
             staged = self._staged.get(req_id)
@@ -380,6 +485,10 @@ class PDDConnector(KVConnectorBase_V1):
 
     def _start_load(self, req_id: str, load: _Load) -> None:
         params, n = load.params, len(load.local_block_ids)
+        remote_blocks = len(params.get("remote_block_ids") or ())
+        if load.skip_blocks + n > remote_blocks:
+            raise ValueError(f"needs blocks [{load.skip_blocks}, {load.skip_blocks + n}) but the producer holds "
+                             f"{remote_blocks}")
         addresses = self._producer_addresses(params)
         if self.layout.is_mla:
             sources = [(self.tp_rank % len(addresses), None, None)]
@@ -389,76 +498,97 @@ class PDDConnector(KVConnectorBase_V1):
             sources = [(s.src_rank, None if s.src_heads == (0, per_src) else s.src_heads,
                         None if s.dst_heads == full else s.dst_heads)
                        for s in head_sources(self.total_kv_heads, len(addresses), self.tp_size, self.tp_rank)]
-        pending = _PendingLoad(req_id, torch.tensor(load.local_block_ids, dtype=torch.int64), time.monotonic())
+        pending = _PendingLoad(req_id, load.local_block_ids, self._pages(load.local_block_ids), time.monotonic())
         offset = 0
         for src_rank, src_heads, dst_heads in sources:
-            nbytes = self.layout.packed_nbytes(n, heads=dst_heads)
-            pending.segments.append((src_rank, offset, nbytes, dst_heads))
+            nbytes = self.layout.packed_nbytes(len(pending.pages), heads=dst_heads)
+            pending.segments.append(_Segment(src_rank, addresses[src_rank], offset, nbytes, src_heads, dst_heads))
             offset += nbytes
-        pending.staging = torch.empty(max(offset, 1), dtype=torch.uint8)
-        pending.region = self.engine.register(pending.staging)
+        pending.staging = self.staging.acquire(offset)
         self._pending_loads[req_id] = pending
-        remote_blocks = len(params.get("remote_block_ids") or ())
-        if load.skip_blocks + n > remote_blocks:
-            raise ValueError(f"needs blocks [{load.skip_blocks}, {load.skip_blocks + n}) but the producer holds "
-                             f"{remote_blocks}")
-        for src_rank, seg_off, nbytes, _ in pending.segments:
-            src_heads = next(s[1] for s in sources if s[0] == src_rank)
-            self._send_control(addresses[src_rank], "pull", req=params["remote_request_id"], d_req=req_id,
+        for seg in pending.segments:
+            self._send_control(seg.address, "pull", req=params["remote_request_id"], d_req=req_id,
                                skip_blocks=load.skip_blocks, num_blocks=n, d_tp=self.tp_size,
-                               src_heads=list(src_heads) if src_heads else None,
-                               region=pending.region.descriptor().hex(), offset=seg_off, seg_bytes=nbytes,
-                               reply=self.engine.address)
+                               src_heads=list(seg.src_heads) if seg.src_heads else None,
+                               region=pending.staging.region.descriptor().hex(), offset=seg.offset,
+                               seg_bytes=seg.nbytes, reply=self.address)
 
     def _fail_load(self, req_id: str, block_ids: list[int]) -> None:
         pending = self._pending_loads.pop(req_id, None)
         if pending is not None:
-            pending.release(self.engine)
+            self._release_staging(pending)
         self._load_errors.update(block_ids)
         self._failed_recving.add(req_id)
         self._finished_recving.add(req_id)
 
     def _finish_load(self, pending: "_PendingLoad") -> None:
-        for _, offset, nbytes, dst_heads in pending.segments:
-            unpack(self.layout, pending.block_ids, pending.staging[offset:offset + nbytes], heads=dst_heads)
+        staging = pending.staging.tensor
+        for seg in pending.segments:
+            unpack(self.layout, pending.pages, staging[seg.offset:seg.offset + seg.nbytes], heads=seg.dst_heads)
         if self.layout.device.type == "cuda":
             torch.cuda.current_stream(self.layout.device).synchronize()
-        pending.release(self.engine)
+        self._release_staging(pending)
         del self._pending_loads[pending.req_id]
         self._finished_recving.add(pending.req_id)
+
+    def _release_staging(self, pending: "_PendingLoad") -> None:
+        if pending.staging is not None:
+            self.staging.release(pending.staging)
+            pending.staging = None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete between steps: a block is handed to vLLM only once whole
 
     # -- both ------------------------------------------------------------------------
     def _pump(self) -> None:
+        """Acts on every message received; a bad one fails only the request it names."""
         for sender, payload in self.engine.poll_messages():
-            msg = _decode(payload)
-            if msg is None:
-                continue
-            kind = msg["k"]
-            if kind == "pull":
-                msg.setdefault("reply", sender)
-                self._pulls.setdefault(msg["req"], []).append((msg["reply"], msg))
-                staged = self._staged.get(msg["req"])
-                if staged is not None:
-                    staged.expected_pulls = (1 if self.layout.is_mla else
-                                             destinations_of(self.total_kv_heads, self.tp_size, msg["d_tp"], self.tp_rank))
-                    self._serve(msg["req"])
-                else:
-                    self._send_control(msg["reply"], "fail", req=msg["d_req"], reason=f"producer has no KV for {msg['req']}")
-                    self._pulls.pop(msg["req"], None)
-            elif kind == "drop" and msg["req"] in self._staged and msg["req"] not in self._serving:
-                self._drop_send(msg["req"])
-                self._finished_sending.add(msg["req"])
-            elif kind == "done" and msg["req"] in self._pending_loads:
-                pending = self._pending_loads[msg["req"]]
-                pending.done_sources.add(msg["src"])
-                if len(pending.done_sources) == len(pending.segments):
-                    self._finish_load(pending)
-            elif kind == "fail" and msg["req"] in self._pending_loads:
-                log.warning("PDDConnector: load of %s failed: %s", msg["req"], msg["reason"])
-                self._fail_load(msg["req"], self._pending_loads[msg["req"]].block_ids.tolist())
+            try:
+                self._on_message(sender, _decode(payload))
+            except _BadMessage as exc:
+                log.warning("PDDConnector: dropped a message from %s: %s", sender, exc)
+                self._fail_named_load(payload, f"malformed message from {sender}: {exc}")
+
+    def _on_message(self, sender: str, msg: dict) -> None:
+        kind, req = msg["k"], msg["req"]
+        if kind == "pull":
+            self._on_pull(msg)
+        elif kind == "drop" and req in self._staged and req not in self._serving:
+            self._drop_send(req)
+            self._finished_sending.add(req)
+        elif kind == "done" and req in self._pending_loads:
+            pending = self._pending_loads[req]
+            if msg["src"] not in {seg.src_rank for seg in pending.segments}:
+                raise _BadMessage(f"done for {req} from rank {msg['src']}, which was not asked")
+            pending.done_sources.add(msg["src"])
+            if len(pending.done_sources) == len(pending.segments):
+                self._finish_load(pending)
+        elif kind == "fail" and req in self._pending_loads:
+            log.warning("PDDConnector: load of %s failed: %s", req, msg["reason"])
+            self._fail_load(req, self._pending_loads[req].block_ids)
+
+    def _on_pull(self, msg: dict) -> None:
+        req = msg["req"]
+        staged = self._staged.get(req)
+        if staged is None:
+            self._send_control(msg["reply"], "fail", req=msg["d_req"], reason=f"producer has no KV for {req}")
+            return
+        if msg["d_tp"] <= 0 or (msg["src_heads"] is not None and len(msg["src_heads"]) != 2):
+            raise _BadMessage(f"pull for {req}: d_tp={msg['d_tp']}, src_heads={msg['src_heads']}")
+        self._pulls.setdefault(req, []).append((msg["reply"], msg))
+        staged.expected_pulls = (1 if self.layout.is_mla else
+                                 destinations_of(self.total_kv_heads, self.tp_size, msg["d_tp"], self.tp_rank))
+        self._serve(req)
+
+    def _fail_named_load(self, payload: bytes, reason: str) -> None:
+        """Fails the pending load a malformed message names, if its name can be read."""
+        try:
+            req = json.loads(payload[len(_MAGIC):]).get("req") if payload.startswith(_MAGIC) else None
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            return
+        if isinstance(req, str) and req in self._pending_loads:
+            log.warning("PDDConnector: load of %s failed: %s", req, reason)
+            self._fail_load(req, self._pending_loads[req].block_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._pump()
@@ -467,7 +597,7 @@ class PDDConnector(KVConnectorBase_V1):
         for req_id, pending in list(self._pending_loads.items()):
             if now - pending.started > self.load_timeout_s:
                 log.warning("PDDConnector: load of %s timed out", req_id)
-                self._fail_load(req_id, pending.block_ids.tolist())
+                self._fail_load(req_id, pending.block_ids)
         results = KVConnectorTransferResults(self._finished_sending, self._finished_recving, self._failed_recving)
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return results
@@ -487,59 +617,59 @@ class PDDConnector(KVConnectorBase_V1):
 
 @dataclass
 class _Staged:
-    """A producer's packed copy of one request's KV, and a KVLayout over that copy."""
+    """A producer's packed copy of one request's KV, and a KVLayout over that copy
+    (same cells as the pool, pages ``0..num_pages`` in request order)."""
 
-    block_ids: torch.Tensor
-    buffer: torch.Tensor
+    pages: torch.Tensor
+    buffer: StagingBuffer
     layout: KVLayout
     layer_offsets: list[int]
     ready: bool = False
     deadline: float | None = None
     expected_pulls: int = 1
-    _region: Region | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
 
     @classmethod
-    def allocate(cls, src: KVLayout, block_ids: list[int]) -> "_Staged":
-        n = len(block_ids)
+    def allocate(cls, src: KVLayout, pages: torch.Tensor, pool: StagingPool) -> "_Staged":
+        n = len(pages)
         offsets = [0]
         for layer in range(src.num_layers):
             offsets.append(offsets[-1] + src.packed_nbytes(n, layers=[layer]))
-        buffer = torch.empty(max(offsets[-1], 1), dtype=torch.uint8, pin_memory=src.device.type == "cuda")
-        planes = src.planes
-        ptrs = [buffer.data_ptr() + offsets[layer] + p * n * planes[layer * src.planes_per_layer + p].page_bytes
-                for layer in range(src.num_layers) for p in range(src.planes_per_layer)]
-        ppl = src.planes_per_layer
+        buffer = pool.acquire(offsets[-1])
+        ppl, planes = src.planes_per_layer, src.planes
+        ptrs = [buffer.tensor.data_ptr() + offsets[layer] + p * n * planes[layer * ppl + p].page_bytes
+                for layer in range(src.num_layers) for p in range(ppl)]
         first = planes[0]
         layout = KVLayout.from_pointers(ptrs[::ppl], [planes[i * ppl].page_bytes for i in range(src.num_layers)], n,
-                                        v_ptrs=ptrs[1::ppl] if ppl == 2 else None,
+                                        v_ptrs=ptrs[1::ppl] if ppl == 2 else None, device=pool.buffer_device,
                                         tokens_per_page=first.tokens_per_page, num_kv_heads=first.num_heads)
-        return cls(torch.tensor(block_ids, dtype=torch.int64), buffer, layout, offsets)
+        return cls(pages, buffer, layout, offsets)
 
     def layer_range(self, layer: int) -> tuple[int, int]:
         return self.layer_offsets[layer], self.layer_offsets[layer + 1]
 
-    def region(self, engine: TransferEngine) -> Region:
-        if self._region is None:
-            self._region = engine.register(self.buffer)
-        return self._region
 
-    def release(self, engine: TransferEngine) -> None:
-        if self._region is not None:
-            engine.unregister(self._region)
-            self._region = None
+@dataclass
+class _Segment:
+    """One producer rank's share of a load: where it lands in the staging buffer."""
+
+    src_rank: int
+    address: str
+    offset: int
+    nbytes: int
+    src_heads: tuple[int, int] | None
+    dst_heads: tuple[int, int] | None
 
 
 @dataclass
 class _PendingLoad:
     req_id: str
-    block_ids: torch.Tensor
+    block_ids: list[int]
+    pages: torch.Tensor
     started: float
-    segments: list[tuple[int, int, int, Any]] = field(default_factory=list)
-    staging: torch.Tensor | None = None
-    region: Region | None = None
+    segments: list[_Segment] = field(default_factory=list)
+    staging: StagingBuffer | None = None
     done_sources: set[int] = field(default_factory=set)
-
-    def release(self, engine: TransferEngine) -> None:
-        if self.region is not None:
-            engine.unregister(self.region)
-            self.region, self.staging = None, None
