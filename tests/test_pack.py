@@ -113,7 +113,7 @@ def test_strided_pages_flashinfer_style():
                        reference_pack([p[:, 0] for p in pools], [p[:, 1] for p in pools], ids, heads=(1, 2)))
 
 
-def strided_pool(kind, num_layers, num_pages, page_size, heads, dim, dtype, seed):
+def strided_pool(kind, num_layers, num_pages, page_size, heads, dim, dtype, seed, device="cpu"):
     """K and V planes as [pages, tokens, heads, dim] views of the memory layout ``kind``:
     token-major or head-major pages, separate or with K and V halves alternating in each
     row (vLLM 0.33's per-layer [blocks, heads, block_size, head_size + head_size_v])."""
@@ -122,12 +122,12 @@ def strided_pool(kind, num_layers, num_pages, page_size, heads, dim, dtype, seed
     for _ in range(num_layers):
         if kind.startswith("kv_rows"):
             inner = (heads, page_size, 2 * dim) if kind.endswith("hnd") else (page_size, heads, 2 * dim)
-            t = torch.randn((num_pages,) + inner, generator=g).to(dtype)
+            t = torch.randn((num_pages,) + inner, generator=g).to(dtype).to(device)
             t = t.permute(0, 2, 1, 3) if kind.endswith("hnd") else t
             k.append(t[..., :dim]), v.append(t[..., dim:])
         else:
             for planes in (k, v):
-                t = torch.randn(num_pages, heads, page_size, dim, generator=g).to(dtype)
+                t = torch.randn(num_pages, heads, page_size, dim, generator=g).to(dtype).to(device)
                 planes.append(t.permute(0, 2, 1, 3) if kind == "hnd" else t.transpose(1, 2).contiguous())
     return k, v
 

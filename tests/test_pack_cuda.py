@@ -56,3 +56,33 @@ def test_cuda_rejects_pageable_host_buffer():
     layout = KVLayout.from_tensors(k, v)
     with pytest.raises(ValueError, match="pageable"):
         pack(layout, torch.tensor([0]), out=torch.empty(layout.packed_nbytes(1), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["hnd", "kv_rows_nhd", "kv_rows_hnd"])
+@pytest.mark.parametrize("heads", [None, (1, 2)])
+def test_cuda_pack_of_strided_cells_matches_cpu(kind, heads):
+    from test_pack import strided_pool
+
+    k, v = strided_pool(kind, 2, 9, 5, 3, 8, torch.bfloat16, seed=4)
+    ids = torch.tensor([8, 0, 1, 2, 6], dtype=torch.int64)
+    want = pack(KVLayout.from_tensors(k, v), ids, heads=heads)
+    ck, cv = strided_pool(kind, 2, 9, 5, 3, 8, torch.bfloat16, seed=4, device="cuda")
+    layout = KVLayout.from_tensors(ck, cv)
+    pinned = torch.empty(want.numel(), dtype=torch.uint8, pin_memory=True)
+    pack(layout, ids, heads=heads, out=pinned)
+    torch.cuda.synchronize()
+    assert torch.equal(pinned, want)
+
+
+def test_tcp_engine_refuses_device_memory():
+    from pddcore import TransferEngine
+
+    t = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    with TransferEngine() as engine:
+        with pytest.raises(ValueError, match="GPU memory"):
+            engine.register_pointer(t.data_ptr(), t.numel())
+        with pytest.raises(ValueError, match="CPU tensors"):
+            engine.register(t)
+        assert not engine.regions()
+        host = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+        assert engine.register(host).nbytes == host.numel()  # pinned host memory is fine

@@ -267,6 +267,8 @@ def test_bad_arguments_raise_before_sending(local, remote, remote_region):
         local.register(torch.zeros(4, 4, dtype=torch.uint8).t())
     with pytest.raises(ValueError, match="read-only"):
         local.register(b"immutable")
+    with pytest.raises(ValueError, match="only CPU tensors"):  # device memory (GPU: tests/test_pack_cuda.py)
+        local.register(torch.zeros(16, dtype=torch.uint8, device="meta"))
     assert local.stats()["transfers_done"] == 0
 
 

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "device_memory.h"
+
 namespace pddcore::transfer {
 
 namespace {
@@ -89,8 +91,15 @@ void Engine::close() {
 uint64_t Engine::register_memory(uintptr_t base, uint64_t size) {
   if (closing_) throw TransferError("engine is closed");
   if (base == 0 || size == 0) throw std::invalid_argument("cannot register an empty or null memory range");
+  const bool on_device = is_device_memory(reinterpret_cast<const void*>(base));
+  if (on_device && std::string(backend_->name()) == "tcp")
+    throw std::invalid_argument("address " + std::to_string(base) +
+                                " is GPU memory: the tcp backend reads and writes registered memory with the CPU; "
+                                "register pinned host memory (pddcore.integrations StagingPool does) or use the rdma "
+                                "backend with GPUDirect");
   std::lock_guard<std::mutex> lock(regions_mutex_);
-  auto region = std::make_shared<const Region>(Region{next_region_id_++, reinterpret_cast<uint8_t*>(base), size});
+  auto region =
+      std::make_shared<const Region>(Region{next_region_id_++, reinterpret_cast<uint8_t*>(base), size, on_device});
   for (auto& backend : backends_) backend->register_memory(region);
   regions_.emplace(region->id, region);
   return region->id;

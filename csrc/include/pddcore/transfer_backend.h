@@ -37,6 +37,7 @@ struct Region {
   uint64_t id;
   uint8_t* base;
   uint64_t size;
+  bool on_device = false;  // GPU memory: only a path that bypasses the CPU (RDMA) may touch it
 };
 using RegionPtr = std::shared_ptr<const Region>;
 

@@ -103,10 +103,19 @@ void TcpBackend::connect(const PeerInfo& peer) {
 
 TcpBackend::LinkPtr TcpBackend::find_link(uint64_t peer_key) { return find_peer_link(mutex_, links_, peer_key); }
 
+// An rdma engine's tcp path may be handed its GPU regions: it can read none of them.
+static std::string device_source(const std::vector<WriteChunk>& chunks) {
+  for (const WriteChunk& c : chunks)
+    if (c.src->on_device) return "source region " + std::to_string(c.src->id) + " is GPU memory, which the tcp path cannot read";
+  return "";
+}
+
 void TcpBackend::post(uint64_t peer_key, std::vector<WriteChunk> chunks) {
   LinkPtr link = find_link(peer_key);
-  std::string dead;
-  if (!link) {
+  std::string dead = device_source(chunks);
+  if (!dead.empty()) {
+    // refused before anything is queued
+  } else if (!link) {
     dead = "peer is not connected";
   } else {
     std::lock_guard<std::mutex> lock(link->mutex);
@@ -535,7 +544,7 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
       return;
     }
     RegionPtr region = host_.find_region(header.region_id);
-    if (!region)
+    if (!region || region->on_device)  // GPU memory is no destination for the CPU's recv
       status = wire::AckStatus::kUnknownRegion;
     else if (header.offset > region->size || header.length > region->size - header.offset)
       status = wire::AckStatus::kOutOfBounds;
