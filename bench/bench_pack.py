@@ -15,3 +15,13 @@ def test_pack_vs_copy(benchmark, page_bytes, threads):
     benchmark.extra_info.update(result.as_dict())
     print("\n" + pack_cases.format_table([result]))
     assert result.pack_gbps > 0 and result.copy_gbps > 0
+
+
+@pytest.mark.parametrize("threads", pack_cases.THREADS)
+def test_pack_vllm_rows_vs_copy(benchmark, threads):
+    """vLLM 0.33's pages: K and V halves of every (token, head) row, 256-byte cells."""
+    result = benchmark.pedantic(pack_cases.run_case, args=(0, threads), kwargs={"vllm_rows": True}, rounds=1,
+                                iterations=1)
+    benchmark.extra_info.update(result.as_dict())
+    print("\n" + pack_cases.format_table([result]))
+    assert result.pack_gbps > 0 and result.copy_gbps > 0

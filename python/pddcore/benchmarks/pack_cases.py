@@ -45,21 +45,35 @@ class PackResult:
                 "naive_ratio": self.naive_gbps / self.copy_gbps}
 
 
-def run_case(page_bytes: int, threads: int, total_bytes: int = 64 << 20, layers: int = 2) -> PackResult:
-    """Measures one (page size, thread count) point; ``total_bytes`` is what one pack moves."""
+# vLLM 0.33's cells: 16 tokens x 8 heads x 128 fp16 per K (and V) page, the two halves of each row side by side.
+VLLM_ROWS = dict(tokens=16, heads=8, dim=128)
+
+
+def run_case(page_bytes: int, threads: int, total_bytes: int = 64 << 20, layers: int = 2,
+             vllm_rows: bool = False) -> PackResult:
+    """Measures one (page size, thread count) point; ``total_bytes`` is what one pack moves.
+    ``vllm_rows``: the pool is laid out as vLLM 0.33 allocates it (K and V halves of every
+    row, 256-byte cells; ``page_bytes`` is then 32 KiB)."""
     planes = 2 * layers
+    if vllm_rows:
+        page_bytes = VLLM_ROWS["tokens"] * VLLM_ROWS["heads"] * VLLM_ROWS["dim"] * 2
     pages_moved = max(1, total_bytes // (planes * page_bytes))
     pool_pages = 2 * pages_moved
-    elems = page_bytes // 2  # fp16 elements per page
-    k = [torch.randn(pool_pages, elems, dtype=torch.float16) for _ in range(layers)]
-    v = [torch.randn(pool_pages, elems, dtype=torch.float16) for _ in range(layers)]
+    if vllm_rows:
+        rows = [torch.randn(pool_pages, VLLM_ROWS["tokens"], VLLM_ROWS["heads"], 2 * VLLM_ROWS["dim"],
+                            dtype=torch.float16) for _ in range(layers)]
+        k, v = [t[..., :VLLM_ROWS["dim"]] for t in rows], [t[..., VLLM_ROWS["dim"]:] for t in rows]
+    else:
+        elems = page_bytes // 2  # fp16 elements per page
+        k = [torch.randn(pool_pages, elems, dtype=torch.float16) for _ in range(layers)]
+        v = [torch.randn(pool_pages, elems, dtype=torch.float16) for _ in range(layers)]
     layout = pddcore.KVLayout.from_tensors(k, v)
     ids = torch.randperm(pool_pages)[:pages_moved]
     moved = layout.packed_nbytes(len(ids))
     buf = torch.empty(moved, dtype=torch.uint8)
     src = torch.randn(moved // 2, dtype=torch.float16).view(torch.uint8)
     dst = torch.empty_like(src)
-    per_plane = [torch.empty(pages_moved, elems, dtype=torch.float16) for _ in range(planes)]
+    per_plane = [torch.empty((pages_moved,) + tuple(k[0].shape[1:]), dtype=torch.float16) for _ in range(planes)]
     all_planes = [t for pair in zip(k, v) for t in pair]
 
     old_pdd, old_torch = pddcore.get_num_threads(), torch.get_num_threads()
@@ -73,7 +87,7 @@ def run_case(page_bytes: int, threads: int, total_bytes: int = 64 << 20, layers:
         index_out = gbps(best_seconds(
             lambda: [torch.index_select(p, 0, ids, out=o) for p, o in zip(all_planes, per_plane)]))
         naive = gbps(best_seconds(
-            lambda: torch.cat([p.index_select(0, ids).view(-1) for p in all_planes]), repeats=3))
+            lambda: torch.cat([p.index_select(0, ids).reshape(-1) for p in all_planes]), repeats=3))
     finally:
         pddcore.set_num_threads(old_pdd)
         torch.set_num_threads(old_torch)
