@@ -463,6 +463,27 @@ def test_piecewise_cudagraphs_and_any_layout():
     assert PDDConnector.get_required_kvcache_layout(None) is None
 
 
+def test_rdma_backend_moves_blocks(model_dir):
+    """backend="rdma" (the verbs emulator here: no NIC) moves the same blocks; gpudirect needs
+    KV on a GPU and says so."""
+    rdma = {"backend": "rdma", "rdma_device": "emulator"}
+    p, d = make_worker(model_dir, "kv_producer", seed=3, extra=rdma), make_worker(model_dir, "kv_consumer", extra=rdma)
+    try:
+        assert p.conn.engine.backend == "rdma"
+        worker_step(p, PDDConnectorMetadata(saves={"p-req": [4, 9]}), forward=True)
+        params = dict(remote_request_id="p-req", pdd_addresses=[p.conn.address], tp_size=1, remote_block_ids=[4, 9],
+                      remote_host="127.0.0.1", remote_port=1)
+        worker_step(d, PDDConnectorMetadata(loads={"d-req": _Load([0, 11], 0, params)}))
+        results, errors = drive([p.conn, d.conn], lambda r, e: r[1].finished_recving)
+        assert not results[1].failed_recving and not errors[1]
+        assert as_bytes(d.blocks([0, 11])) == as_bytes(p.blocks([4, 9]))
+        with pytest.raises(ValueError, match="gpudirect needs the rdma backend and CUDA KV"):
+            make_worker(model_dir, "kv_consumer", extra={**rdma, "gpudirect": True})
+    finally:
+        p.conn.shutdown()
+        d.conn.shutdown()
+
+
 def test_wildcard_host_is_advertised_as_the_routable_address(model_dir, monkeypatch):
     """Listening on 0.0.0.0 advertises vLLM's get_ip() (VLLM_HOST_IP), never 0.0.0.0, and a peer
     reaches the worker at the advertised address."""

@@ -38,7 +38,10 @@ address peers connect to, when it differs from ``host``; ``0.0.0.0`` is never
 advertised), ``port`` (base port; rank r listens on port + r; default: any free port,
 published through the handshake metadata), ``lease_s`` (producer keeps unsent KV this
 long, default 60), ``load_timeout_s`` (consumer gives up, default 60), ``auth_token``,
-``tp_rank`` (override for tests or out-of-engine use). Attention layers only: one KV-cache
+``backend`` (``"tcp"``, default, or ``"rdma"``), ``rdma_device`` (e.g. ``"mlx5_0"``),
+``gpudirect`` (rdma with KV on a GPU: stage in registered device memory, which the NIC reads
+and writes directly, instead of pinned host memory), ``tp_rank`` (override for tests or
+out-of-engine use). Attention layers only: one KV-cache
 group (a hybrid model, which needs vLLM's hybrid allocator, is refused with a clear error).
 """
 
@@ -298,7 +301,10 @@ class PDDConnector(KVConnectorBase_V1):
 
             self.tp_rank = get_tensor_model_parallel_rank()
         port = 0 if self.base_port is None else int(self.base_port) + self.tp_rank
-        self.engine = TransferEngine(listen=f"{self.listen_host}:{port}", auth_token=extra.get("auth_token"))
+        backend = extra.get("backend", "tcp")
+        self.engine = TransferEngine(backend, listen=f"{self.listen_host}:{port}", auth_token=extra.get("auth_token"),
+                                     **({"device": extra["rdma_device"]} if "rdma_device" in extra else {}))
+        self.gpudirect = bool(extra.get("gpudirect", False))
         self.address = f"{self.host}:{self.engine.address.rpartition(':')[2]}"
         self.layout: KVLayout | None = None
         self.staging: StagingPool | None = None
@@ -348,7 +354,7 @@ class PDDConnector(KVConnectorBase_V1):
             raise ValueError(f"{self.layout.num_pages} kernel blocks do not split evenly into {num_blocks} blocks")
         self.pages_per_block = self.layout.num_pages // num_blocks
         self.total_kv_heads = 1 if self.layout.is_mla else self.layout.planes[0].num_heads * self.tp_size
-        self.staging = StagingPool(self.engine, self.layout.device)
+        self.staging = StagingPool(self.engine, self.layout.device, gpudirect=self.gpudirect)
 
     def _pages(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Layout page ids of vLLM blocks (a block spans ``pages_per_block`` kernel blocks)."""
