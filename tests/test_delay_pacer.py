@@ -34,7 +34,7 @@ def test_self_paced_engine_moves_every_byte_and_reports_its_pacer():
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     dst = torch.zeros(nbytes, dtype=torch.uint8)
     with TransferEngine(queue_delay_target_s=0.001) as sender, TransferEngine() as receiver:
-        region = receiver.register(dst)
+        region = receiver.register(dst, target=True)
         peer = sender.connect(receiver.address)
         for _ in range(3):
             sender.write(peer, sender.register(src), 0, region.descriptor(), 0, nbytes).wait()

@@ -294,7 +294,7 @@ def test_estimator_reads_a_real_transfer_engine():
 
     nbytes = 32 * MiB
     with TransferEngine() as md, TransferEngine() as p:
-        dst = md.register(torch.zeros(nbytes, dtype=torch.uint8))
+        dst = md.register(torch.zeros(nbytes, dtype=torch.uint8), target=True)
         src = p.register(torch.ones(nbytes, dtype=torch.uint8))
         peer = p.connect(md.address)
         p.write(peer, src, 0, dst.descriptor(), 0, nbytes).wait(timeout=60)

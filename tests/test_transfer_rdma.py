@@ -116,7 +116,7 @@ def test_info_reports_the_backend():
 def test_real_nic_loopback_roundtrip():
     with TransferEngine("rdma", auth_token=TOKEN) as a, TransferEngine("rdma", auth_token=TOKEN) as b:
         src, dst = random_tensor(64 * MiB, 1), torch.zeros(64 * MiB, dtype=torch.uint8)
-        rs, rd = a.register(src), b.register(dst)
+        rs, rd = a.register(src), b.register(dst, target=True)
         a.write(a.connect(b.address), rs, 0, rd.descriptor(), 0, 64 * MiB).wait(30)
         assert torch.equal(src, dst)
 
@@ -129,7 +129,7 @@ def test_write_longer_than_the_send_queue_completes():
     n = 1500 * 4096
     with emulated(streams=1, chunk_bytes=4096) as a, emulated() as b:
         src, dst = random_tensor(n, 2), torch.zeros(n, dtype=torch.uint8)
-        rs, rd = a.register(src), b.register(dst)
+        rs, rd = a.register(src), b.register(dst, target=True)
         placed = _C.rdma_emulator_counters()["writes_placed"]
         a.write(a.connect(b.address), rs, 0, rd.descriptor(), 0, n, notify=b"all").wait(30)
         assert torch.equal(src, dst)
@@ -148,7 +148,7 @@ def test_scattered_batch_lands_exactly():
     total = 8 * MiB
     with emulated(chunk_bytes=64 << 10) as a, emulated() as b:
         src, dst = random_tensor(total, 4), torch.zeros(total, dtype=torch.uint8)
-        rs, rd = a.register(src), b.register(dst)
+        rs, rd = a.register(src), b.register(dst, target=True)
         peer = a.connect(b.address)
         cuts = sorted(set(torch.randint(1, total, (300,), generator=rng).tolist()))
         pieces = list(zip([0] + cuts, cuts + [total]))
@@ -166,7 +166,7 @@ def test_one_engine_speaks_rdma_and_tcp_to_different_peers():
         src = random_tensor(4 * MiB, 5)
         rs = a.register(src)
         db, dc = torch.zeros(4 * MiB, dtype=torch.uint8), torch.zeros(4 * MiB, dtype=torch.uint8)
-        rb, rc = b.register(db), c.register(dc)
+        rb, rc = b.register(db, target=True), c.register(dc, target=True)
         placed = _C.rdma_emulator_counters()["bytes_placed"]
         to_b = a.connect(b.address)                  # rdma: the engine's backend
         to_c = a.connect(c.address, backend="tcp")   # c has no RDMA at all
@@ -195,7 +195,7 @@ def test_completion_error_fails_with_the_status_text_and_the_qp_recovers():
         src = random_tensor(MiB, 6)
         rs = a.register(src)
         gone, live = torch.zeros(MiB, dtype=torch.uint8), torch.zeros(MiB, dtype=torch.uint8)
-        rg, rl = b.register(gone), b.register(live)
+        rg, rl = b.register(gone, target=True), b.register(live, target=True)
         peer = a.connect(b.address)
         a.write(peer, rs, 0, rg.descriptor(), 0, MiB).wait(30)  # caches the (address, rkey)
         rejected = _C.rdma_emulator_counters()["writes_rejected"]
@@ -213,7 +213,7 @@ def test_concurrent_writers_over_several_qps():
     n, slices = 16 * MiB, 32
     with emulated(streams=4, chunk_bytes=128 << 10) as a, emulated() as b:
         src, dst = random_tensor(n, 7), torch.zeros(n, dtype=torch.uint8)
-        rs, rd = a.register(src), b.register(dst)
+        rs, rd = a.register(src), b.register(dst, target=True)
         peer = a.connect(b.address)
         step, errors = n // slices, []
 
@@ -239,7 +239,7 @@ def test_repeated_open_close_leaks_no_verbs_objects_or_threads():
     def cycle() -> None:
         with emulated(streams=3) as a, emulated() as b:
             src, dst = random_tensor(MiB, 8), torch.zeros(MiB, dtype=torch.uint8)
-            rs, rd = a.register(src), b.register(dst)
+            rs, rd = a.register(src), b.register(dst, target=True)
             a.write(a.connect(b.address), rs, 0, rd.descriptor(), 0, MiB).wait(30)
             objects = live_objects()
             assert objects["contexts"] == 2 and objects["qps"] == 6 and objects["mrs"] == 2
@@ -286,7 +286,7 @@ setup_garbage = st.lists(st.one_of(
 def rdma_target():
     with emulated() as engine:
         buf = torch.zeros(4096, dtype=torch.uint8)
-        yield engine, engine.register(buf), buf
+        yield engine, engine.register(buf, target=True), buf
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

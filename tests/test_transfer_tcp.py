@@ -294,8 +294,10 @@ def test_out_of_bounds_and_unknown_region_rejected_by_receiver(local, remote, re
 
 
 def test_corrupted_chunk_is_detected_and_resent(local, backend, remote, remote_region):
-    if backend == "rdma":
-        pytest.skip("RDMA payloads are checked by the fabric (ICRC), not by a pddcore CRC to corrupt")
+    if backend == "rdma":  # payloads are checked by the fabric (ICRC): the hook says so instead of doing nothing
+        with pytest.raises(ValueError, match="does not apply to the rdma backend"):
+            local._debug_corrupt_chunks(2)
+        return
     nbytes = 4 * MiB
     src = random_tensor(nbytes, 12)
     region = local.register(src)
@@ -309,7 +311,7 @@ def test_corrupted_chunk_is_detected_and_resent(local, backend, remote, remote_r
 
 def test_persistent_corruption_fails_the_transfer(backend, remote, remote_region):
     if backend == "rdma":
-        pytest.skip("RDMA payloads are checked by the fabric (ICRC), not by a pddcore CRC to corrupt")
+        pytest.skip("RDMA payloads are checked by the fabric (ICRC); see test_corrupted_chunk_is_detected_and_resent")
     with TransferEngine(backend, auth_token=TOKEN, max_retries=2, chunk_bytes=64 << 10) as engine:
         region = engine.register(random_tensor(MiB, 13))
         idx, desc = remote_region(MiB)
@@ -440,7 +442,7 @@ def target():
     """An in-process engine with one region, as the target of hand-made frames."""
     with TransferEngine("tcp", auth_token=TOKEN, timeout_s=2.0) as engine:
         buf = bytearray(4096)
-        region = engine.register(buf)
+        region = engine.register(buf, target=True)
         yield engine, region, buf
 
 

@@ -24,7 +24,7 @@ def _sink(listen: str, info_path: str, nbytes: int = NBYTES) -> str:
 
     with TransferEngine(listen=listen, auth_token=b"wan") as engine:
         buf = bytearray(nbytes)
-        region = engine.register(buf)
+        region = engine.register(buf, target=True)
         write_info(info_path, region.descriptor().hex())
         got = engine.poll_messages(timeout=60)
         assert got and got[0][1] == b"done", got

@@ -27,7 +27,7 @@ def _serve(conn, engine_kwargs: dict) -> None:
         try:
             if cmd == "region":  # (nbytes) -> (index, descriptor)
                 buffers.append(bytearray(args[0]))
-                regions.append(engine.register(buffers[-1]))
+                regions.append(engine.register(buffers[-1], target=True))
                 reply = (len(regions) - 1, regions[-1].descriptor())
             elif cmd == "fill":  # (index, seed) -> digest of the new contents
                 import random

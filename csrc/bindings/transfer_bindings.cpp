@@ -43,7 +43,8 @@ void bind_transfer(nb::module_& m) {
           [](Engine* self, const std::string& backend, const std::string& host, uint16_t port, uint32_t streams,
              uint32_t chunk_bytes, std::optional<nb::bytes> auth_token, double timeout_s, double rate_limit_bps,
              uint32_t max_retries, const std::string& rdma_device, uint8_t ib_port, int gid_index,
-             double queue_delay_target_s) {
+             double queue_delay_target_s, uint32_t max_connections, uint32_t max_connections_per_host,
+             uint64_t max_inbox_bytes) {
             EngineOptions o;
             o.backend = backend;
             o.listen_host = host;
@@ -59,18 +60,22 @@ void bind_transfer(nb::module_& m) {
             o.rdma_device = rdma_device;
             o.ib_port = ib_port;
             o.gid_index = gid_index;
+            o.max_connections = max_connections;
+            o.max_connections_per_host = max_connections_per_host;
+            o.max_inbox_bytes = max_inbox_bytes;
             nb::gil_scoped_release release;
             new (self) Engine(std::move(o));
           },
           nb::arg("backend"), nb::arg("host"), nb::arg("port"), nb::arg("streams"), nb::arg("chunk_bytes"),
           nb::arg("auth_token").none(), nb::arg("timeout_s"), nb::arg("rate_limit_bps"), nb::arg("max_retries"),
           nb::arg("rdma_device") = "", nb::arg("ib_port") = 1, nb::arg("gid_index") = -1,
-          nb::arg("queue_delay_target_s") = 0.0)
+          nb::arg("queue_delay_target_s"), nb::arg("max_connections"), nb::arg("max_connections_per_host"),
+          nb::arg("max_inbox_bytes"))
       .def_prop_ro("address", &Engine::address)
       .def_prop_ro("engine_id", &Engine::engine_id)
       .def_prop_ro("backend", &Engine::backend_name)
       .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
-      .def("register_memory", &Engine::register_memory, nb::arg("base"), nb::arg("size"))
+      .def("register_memory", &Engine::register_memory, nb::arg("base"), nb::arg("size"), nb::arg("target"))
       .def("unregister_memory", &Engine::unregister_memory, nb::arg("region_id"),
            nb::call_guard<nb::gil_scoped_release>())
       .def("connect", &Engine::connect, nb::arg("address"), nb::arg("backend") = "",

@@ -27,6 +27,8 @@ Engine::Engine(EngineOptions options) : options_(std::move(options)) {
   if (!(options_.timeout_s > 0)) throw std::invalid_argument("timeout_s must be positive");
   if (options_.rate_limit_bps < 0) throw std::invalid_argument("rate_limit_bps must be positive or 0 (unlimited)");
   if (options_.queue_delay_target_s < 0) throw std::invalid_argument("queue_delay_target_s must be positive or 0 (off)");
+  if (options_.max_connections == 0 || options_.max_connections_per_host == 0 || options_.max_inbox_bytes == 0)
+    throw std::invalid_argument("max_connections, max_connections_per_host and max_inbox_bytes must be positive");
   uint16_t port = 0;
   listener_ = listen_tcp({options_.listen_host, options_.listen_port}, &port);
   address_ = format_address({options_.listen_host, port});
@@ -55,9 +57,10 @@ void Engine::close() {
   }
   wake_.notify_all();
   {
-    std::lock_guard<std::mutex> lock(inbox_mutex_);  // so a poll_messages waiter sees closing_
+    std::lock_guard<std::mutex> lock(inbox_mutex_);  // so inbox waiters see closing_
   }
   inbox_cv_.notify_all();
+  inbox_space_cv_.notify_all();
   watchdog_thread_.join();
   listener_.shutdown();
   accept_thread_.join();
@@ -88,7 +91,7 @@ void Engine::close() {
 
 // ---- regions ---------------------------------------------------------------
 
-uint64_t Engine::register_memory(uintptr_t base, uint64_t size) {
+uint64_t Engine::register_memory(uintptr_t base, uint64_t size, bool target) {
   if (closing_) throw TransferError("engine is closed");
   if (base == 0 || size == 0) throw std::invalid_argument("cannot register an empty or null memory range");
   const bool on_device = is_device_memory(reinterpret_cast<const void*>(base));
@@ -99,7 +102,7 @@ uint64_t Engine::register_memory(uintptr_t base, uint64_t size) {
                                 "backend with GPUDirect");
   std::lock_guard<std::mutex> lock(regions_mutex_);
   auto region =
-      std::make_shared<const Region>(Region{next_region_id_++, reinterpret_cast<uint8_t*>(base), size, on_device});
+      std::make_shared<const Region>(Region{next_region_id_++, reinterpret_cast<uint8_t*>(base), size, on_device, target});
   for (auto& backend : backends_) backend->register_memory(region);
   regions_.emplace(region->id, region);
   return region->id;
@@ -208,21 +211,37 @@ void Engine::accept_loop() {
     if (::poll(&pfd, 1, 200) <= 0) continue;
     const int fd = ::accept4(listener_.fd(), nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
-    std::lock_guard<std::mutex> lock(connections_mutex_);
-    for (auto it = connections_.begin(); it != connections_.end();) {
-      if ((*it)->done) {
-        (*it)->thread.join();
-        it = connections_.erase(it);
-      } else {
-        ++it;
-      }
+    try {
+      admit(Socket(fd));
+    } catch (const std::exception&) {
+      ++connections_refused_;  // e.g. no thread could be started: that connection is closed, the engine goes on
     }
-    auto conn = std::make_unique<Connection>();
-    conn->socket = Socket(fd);
-    Connection* raw = conn.get();
-    conn->thread = std::thread([this, raw] { serve_connection(raw); });
-    connections_.push_back(std::move(conn));
   }
+}
+
+void Engine::admit(Socket socket) {
+  const std::string host = peer_ip(socket);
+  std::lock_guard<std::mutex> lock(connections_mutex_);
+  size_t from_host = 0;
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if ((*it)->done) {
+      (*it)->thread.join();
+      it = connections_.erase(it);
+    } else {
+      from_host += (*it)->host == host;
+      ++it;
+    }
+  }
+  if (connections_.size() >= options_.max_connections || from_host >= options_.max_connections_per_host) {
+    ++connections_refused_;
+    return;  // the socket closes here
+  }
+  auto conn = std::make_unique<Connection>();
+  conn->socket = std::move(socket);
+  conn->host = host;
+  Connection* raw = conn.get();
+  conn->thread = std::thread([this, raw] { serve_connection(raw); });
+  connections_.push_back(std::move(conn));
 }
 
 void Engine::serve_connection(Connection* conn) {
@@ -260,7 +279,13 @@ void Engine::serve_control(const Socket& s, const std::string& from) {
       case wire::ControlType::kMessage:
       case wire::ControlType::kNotify: {
         {
-          std::lock_guard<std::mutex> lock(inbox_mutex_);
+          std::unique_lock<std::mutex> lock(inbox_mutex_);
+          // Back-pressure: a flooding peer waits here; one message always fits an empty inbox.
+          inbox_space_cv_.wait(lock, [&] {
+            return closing_ || inbox_.empty() || inbox_bytes_ + body.size() <= options_.max_inbox_bytes;
+          });
+          if (closing_) return;
+          inbox_bytes_ += body.size();
           inbox_.emplace_back(from, std::move(body));
           ++messages_received_;
         }
@@ -275,6 +300,7 @@ void Engine::serve_control(const Socket& s, const std::string& from) {
         reply.type = wire::ControlType::kRegionList;
         std::lock_guard<std::mutex> lock(regions_mutex_);
         for (const auto& [id, region] : regions_) {
+          if (!region->target) continue;
           uint8_t entry[wire::RegionEntry::kSize];
           wire::Writer(entry).put(id).put(reinterpret_cast<uint64_t>(region->base)).put(region->size);
           reply_body.append(reinterpret_cast<const char*>(entry), sizeof(entry));
@@ -371,6 +397,9 @@ std::vector<std::pair<std::string, std::string>> Engine::poll_messages(double ti
   std::vector<std::pair<std::string, std::string>> out(std::make_move_iterator(inbox_.begin()),
                                                        std::make_move_iterator(inbox_.end()));
   inbox_.clear();
+  inbox_bytes_ = 0;
+  lock.unlock();
+  inbox_space_cv_.notify_all();
   return out;
 }
 
@@ -605,7 +634,8 @@ StatsMap Engine::totals() const {
           {"transfers_failed", double(transfers_failed_)},
           {"transfers_cancelled", double(transfers_cancelled_)},
           {"messages_sent", double(messages_sent_)},
-          {"messages_received", double(messages_received_)}};
+          {"messages_received", double(messages_received_)},
+          {"connections_refused", double(connections_refused_)}};
 }
 
 std::map<std::string, StatsMap> Engine::peer_stats() const {
@@ -638,8 +668,6 @@ void Engine::debug_kill_stream(const PeerPtr& peer, uint32_t stream) {
   peer->backend->debug_kill_stream(peer->info.key, stream);
 }
 
-void Engine::debug_corrupt_chunks(uint32_t n) {
-  for (auto& backend : backends_) backend->debug_corrupt_chunks(n);
-}
+void Engine::debug_corrupt_chunks(uint32_t n) { backend_->debug_corrupt_chunks(n); }
 
 }  // namespace pddcore::transfer

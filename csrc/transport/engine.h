@@ -75,7 +75,8 @@ class Engine final : public BackendHost {
   uint64_t engine_id() const { return handshake_.engine_id; }
   const char* backend_name() const;
 
-  uint64_t register_memory(uintptr_t base, uint64_t size);
+  // target: peers may write into the region; otherwise it is a source, only read here.
+  uint64_t register_memory(uintptr_t base, uint64_t size, bool target);
   // Refuses while the region is the source of an active transfer; otherwise waits (up to
   // timeout_s) until no chunk reads or writes it any more.
   void unregister_memory(uint64_t region_id);
@@ -120,11 +121,14 @@ class Engine final : public BackendHost {
   };
   struct Connection {
     Socket socket;
+    std::string host;  // the client's IP address
     std::thread thread;
     std::atomic<bool> done{false};
   };
 
   void accept_loop();
+  // Serves an accepted connection on its own thread, or closes it when the caps are reached.
+  void admit(Socket socket);
   void serve_connection(Connection* conn);
   void serve_control(const Socket& s, const std::string& from);
   void read_control_replies(const PeerPtr& peer);
@@ -164,8 +168,10 @@ class Engine final : public BackendHost {
   uint64_t next_transfer_id_ = 1;
 
   std::mutex inbox_mutex_;
-  std::condition_variable inbox_cv_;
+  std::condition_variable inbox_cv_;        // a message arrived (or closing)
+  std::condition_variable inbox_space_cv_;  // poll_messages() made room (or closing)
   std::deque<std::pair<std::string, std::string>> inbox_;
+  uint64_t inbox_bytes_ = 0;
 
   std::mutex pace_mutex_;
   std::condition_variable wake_;  // pacing sleeps and the watchdog; notified on close
@@ -175,7 +181,7 @@ class Engine final : public BackendHost {
 
   std::atomic<uint64_t> bytes_sent_{0}, chunks_sent_{0}, bytes_received_{0}, chunks_received_{0}, retries_{0},
       crc_errors_{0}, chunks_rejected_{0}, transfers_done_{0}, transfers_failed_{0}, transfers_cancelled_{0},
-      messages_sent_{0}, messages_received_{0};
+      messages_sent_{0}, messages_received_{0}, connections_refused_{0};
 };
 
 // Creates the backend named in options.backend; throws std::invalid_argument listing

@@ -57,9 +57,12 @@ void random_bytes(void* out, size_t n) {
 }
 
 ClientHello accept_handshake(const Socket& s, const HandshakeConfig& cfg) {
+  // One deadline for the whole exchange: a client that trickles bytes cannot hold the
+  // connection (and its thread) longer than timeout_s.
+  const int64_t deadline = now_ns() + static_cast<int64_t>(cfg.timeout_s * 1e9);
   s.set_timeouts(cfg.timeout_s, cfg.timeout_s);
   uint8_t hello_bytes[wire::Hello::kSize];
-  s.recv_all(hello_bytes, sizeof(hello_bytes));
+  s.recv_all_before(hello_bytes, sizeof(hello_bytes), deadline);
   wire::Hello hello;
   if (!hello.decode(hello_bytes)) throw TransferError("refused connection: malformed hello");
 
@@ -72,7 +75,7 @@ ClientHello accept_handshake(const Socket& s, const HandshakeConfig& cfg) {
   s.send_all(challenge_bytes, sizeof(challenge_bytes));
 
   wire::Proof proof;
-  s.recv_all(proof.mac, wire::kMacBytes);
+  s.recv_all_before(proof.mac, wire::kMacBytes, deadline);
   if (hello.version != wire::kVersion)
     refuse(s, wire::HandshakeStatus::kVersionMismatch,
            "protocol version " + std::to_string(hello.version) + ", engine speaks " + std::to_string(wire::kVersion));
@@ -91,6 +94,7 @@ ClientHello accept_handshake(const Socket& s, const HandshakeConfig& cfg) {
 }
 
 uint64_t dial_handshake(const Socket& s, const HandshakeConfig& cfg, wire::ConnKind kind, uint8_t stream) {
+  const int64_t deadline = now_ns() + static_cast<int64_t>(cfg.timeout_s * 1e9);
   s.set_timeouts(cfg.timeout_s, cfg.timeout_s);
   wire::Hello hello;
   hello.kind = kind;
@@ -103,24 +107,29 @@ uint64_t dial_handshake(const Socket& s, const HandshakeConfig& cfg, wire::ConnK
   s.send_all(hello_bytes, sizeof(hello_bytes));
 
   uint8_t challenge_bytes[wire::Challenge::kSize];
-  s.recv_all(challenge_bytes, sizeof(challenge_bytes));
+  s.recv_all_before(challenge_bytes, sizeof(challenge_bytes), deadline);
   wire::Challenge challenge;
   if (!challenge.decode(challenge_bytes)) throw TransferError("peer is not a pddcore engine (bad challenge magic)");
   if (challenge.version != wire::kVersion)
     throw TransferError("peer speaks protocol version " + std::to_string(challenge.version) + ", this engine " +
                         std::to_string(wire::kVersion));
+  // With a token, the server must prove it too: a peer that waives authentication would
+  // otherwise receive our messages and data (a downgrade).
+  if (cfg.has_token && !challenge.auth_required)
+    throw TransferError("peer does not require authentication but this engine has an auth token: refused "
+                        "(a server must prove the token)");
   wire::Proof proof;
   if (cfg.has_token) transcript_mac(cfg.token, "pddcore client proof", hello, challenge, proof.mac);
   s.send_all(proof.mac, wire::kMacBytes);
 
   uint8_t result_bytes[wire::Result::kSize];
-  s.recv_all(result_bytes, sizeof(result_bytes));
+  s.recv_all_before(result_bytes, sizeof(result_bytes), deadline);
   wire::Result result;
   result.decode(result_bytes);
   if (result.status != wire::HandshakeStatus::kOk)
     throw TransferError(std::string("peer refused the connection: ") +
                         wire::padded_string(result.reason, wire::kReasonBytes));
-  if (cfg.has_token && challenge.auth_required) {
+  if (cfg.has_token) {
     Mac expected;
     transcript_mac(cfg.token, "pddcore server proof", hello, challenge, expected);
     if (CRYPTO_memcmp(expected, result.mac, wire::kMacBytes) != 0)

@@ -119,6 +119,18 @@ void Socket::recv_all(void* data, size_t n) const {
   }
 }
 
+void Socket::recv_all_before(void* data, size_t n, int64_t deadline_ns) const {
+  auto* p = static_cast<uint8_t*>(data);
+  while (n > 0) {
+    const double left_s = static_cast<double>(deadline_ns - now_ns()) / 1e9;
+    if (left_s <= 0) throw TransferError("deadline passed while receiving");
+    set_timeouts(std::max(left_s, 1e-3), std::max(left_s, 1e-3));
+    const size_t got = receive(p, n, MSG_WAITALL);
+    p += got;
+    n -= got;
+  }
+}
+
 size_t Socket::recv_some(void* data, size_t n) const {
   const size_t got = receive(data, n, 0);
   if (got == kNothingYet) throw TransferError("receive timed out");

@@ -36,6 +36,9 @@ class Socket {
   void sendv_all(iovec* iov, int count) const;
   // Receives exactly n bytes or throws TransferError (EOF, timeout, error).
   void recv_all(void* data, size_t n) const;
+  // recv_all that also ends at an absolute deadline (now_ns() clock), however the bytes
+  // trickle in: a peer sending one byte per timeout cannot stretch it.
+  void recv_all_before(void* data, size_t n, int64_t deadline_ns) const;
   // Like recv_all, but returns false when the receive deadline passes before the first
   // byte (an idle connection); a frame cut off midway still throws.
   bool recv_frame(void* data, size_t n) const;

@@ -21,7 +21,7 @@ Example::
     from pddcore import TransferEngine
 
     with TransferEngine(auth_token=b"secret") as md, TransferEngine(auth_token=b"secret") as p:
-        dst = md.register(torch.zeros(1 << 20, dtype=torch.uint8))
+        dst = md.register(torch.zeros(1 << 20, dtype=torch.uint8), target=True)
         src = p.register(torch.randint(0, 255, (1 << 20,), dtype=torch.uint8))
         peer = p.connect(md.address)
         t = p.write(peer, src, 0, dst.descriptor(), 0, 1 << 20, notify=b"req-42")
@@ -48,6 +48,7 @@ The verbs emulator touches memory with the CPU, so it only takes host memory.
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 import threading
 from dataclasses import dataclass
@@ -100,6 +101,13 @@ class RegionDescriptor:
         return cls(data[_DESCRIPTOR.size:].decode(), engine_id, region_id, size)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _buffer_address(obj: Any) -> tuple[int, int, Any]:
     """(address, nbytes, keep-alive) of a contiguous CPU tensor or writable buffer."""
     if isinstance(obj, torch.Tensor):
@@ -121,13 +129,16 @@ def _buffer_address(obj: Any) -> tuple[int, int, Any]:
 
 
 class Region:
-    """A registered memory range of a :class:`TransferEngine`."""
+    """A registered memory range of a :class:`TransferEngine`: a write ``target`` (peers may
+    write into it) or a source (only this engine reads it)."""
 
-    def __init__(self, engine: TransferEngine, region_id: int, base: int, nbytes: int, keep_alive: Any):
+    def __init__(self, engine: TransferEngine, region_id: int, base: int, nbytes: int, target: bool,
+                 keep_alive: Any):
         self.engine = engine
         self.id = region_id
         self.base = base
         self.nbytes = nbytes
+        self.target = target
         self._keep_alive = keep_alive
 
     def descriptor(self) -> bytes:
@@ -135,7 +146,8 @@ class Region:
         return RegionDescriptor(self.engine.address, self.engine.engine_id, self.id, self.nbytes).to_bytes()
 
     def __repr__(self) -> str:
-        return f"Region(id={self.id}, nbytes={self.nbytes}, engine={self.engine.address})"
+        kind = "target" if self.target else "source"
+        return f"Region(id={self.id}, {kind}, nbytes={self.nbytes}, engine={self.engine.address})"
 
 
 class Peer:
@@ -227,9 +239,17 @@ class TransferEngine:
         streams: parallel data connections per peer.
         chunk_bytes: largest chunk on the wire (each has its own header, CRC and ack).
         auth_token: when set, every connection must prove knowledge of this token with an
-            HMAC-SHA256 challenge-response (both ways); the token never crosses the wire.
-        timeout_s: connect/handshake deadline, and how long a peer may acknowledge
-            nothing before its transfers fail.
+            HMAC-SHA256 challenge-response, both ways: this engine also refuses a peer that
+            does not prove it. The token never crosses the wire. Required when ``listen`` is
+            not a loopback address, unless ``insecure=True``.
+        insecure: allow listening beyond loopback without ``auth_token`` (a trusted network only).
+        timeout_s: connect deadline, one deadline for a whole handshake, and how long a peer
+            may acknowledge nothing before its transfers fail.
+        max_connections, max_connections_per_host: connections served at once, in all and
+            from one IP address, counted before authentication; more are closed at accept
+            (``stats()["connections_refused"]``).
+        max_inbox_bytes: received messages and notifications waiting for
+            :meth:`poll_messages`; a peer sending more waits until there is room.
         rate_limit_bps: pace all outgoing data below this many bits per second (None: no limit).
         queue_delay_target_s: tcp: pace each peer's bulk data to its path, so that the queue
             it builds at the bottleneck stays below about this many seconds (None: off).
@@ -253,12 +273,24 @@ class TransferEngine:
     def __init__(self, backend: str = "tcp", listen: str = "127.0.0.1:0", *, streams: int = 4,
                  chunk_bytes: int = 1 << 20, auth_token: bytes | str | None = None, timeout_s: float = 30.0,
                  rate_limit_bps: float | None = None, max_retries: int = 5, device: str | None = None,
-                 ib_port: int = 1, gid_index: int | None = None, queue_delay_target_s: float | None = None):
+                 ib_port: int = 1, gid_index: int | None = None, queue_delay_target_s: float | None = None,
+                 insecure: bool = False, max_connections: int = 1024, max_connections_per_host: int = 256,
+                 max_inbox_bytes: int = 64 << 20):
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen must be 'host:port', got {listen!r}")
         if isinstance(auth_token, str):
             auth_token = auth_token.encode()
+        if auth_token is not None and not auth_token:
+            raise ValueError("auth_token must not be empty")
+        if auth_token is None and not insecure and not _is_loopback(host):
+            raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
+                             "without one anybody who reaches the port can write into its target regions. Pass "
+                             "auth_token=..., or insecure=True on a network you trust")
+        for name, v in (("max_connections", max_connections), ("max_connections_per_host", max_connections_per_host),
+                        ("max_inbox_bytes", max_inbox_bytes)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if rate_limit_bps is not None and rate_limit_bps <= 0:
             raise ValueError(f"rate_limit_bps must be positive, got {rate_limit_bps}")
         if queue_delay_target_s is not None and not queue_delay_target_s > 0:
@@ -272,7 +304,8 @@ class TransferEngine:
         self._core = _C.TransferEngineCore(backend, host, int(port), streams, chunk_bytes, auth_token,
                                            float(timeout_s), float(rate_limit_bps or 0.0), max_retries,
                                            device or "", ib_port, -1 if gid_index is None else gid_index,
-                                           float(queue_delay_target_s or 0.0))
+                                           float(queue_delay_target_s or 0.0), max_connections,
+                                           max_connections_per_host, max_inbox_bytes)
         self._lock = threading.Lock()
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)
@@ -306,23 +339,25 @@ class TransferEngine:
 
     # -- memory --------------------------------------------------------------------------
 
-    def register(self, memory: Any) -> Region:
+    def register(self, memory: Any, *, target: bool = False) -> Region:
         """Registers a contiguous CPU tensor or writable buffer; the engine keeps it alive
-        until :meth:`unregister`."""
+        until :meth:`unregister`. ``target=True``: peers may write into it (a receive
+        buffer); otherwise it is a source, which no peer can write or see listed."""
         base, nbytes, keep = _buffer_address(memory)
         if nbytes == 0:
             raise ValueError("cannot register an empty buffer")
-        return self._add_region(base, nbytes, keep)
+        return self._add_region(base, nbytes, target, keep)
 
-    def register_pointer(self, base: int, nbytes: int, *, keep_alive: Any = None) -> Region:
-        """Registers raw memory by address. The caller keeps that memory alive until
-        :meth:`unregister`, or passes an owner of it as ``keep_alive`` for the region to hold."""
+    def register_pointer(self, base: int, nbytes: int, *, target: bool = False, keep_alive: Any = None) -> Region:
+        """Registers raw memory by address (``target`` as in :meth:`register`). The caller
+        keeps that memory alive until :meth:`unregister`, or passes an owner of it as
+        ``keep_alive`` for the region to hold."""
         if base <= 0 or nbytes <= 0:
             raise ValueError(f"bad memory range: base={base:#x} nbytes={nbytes}")
-        return self._add_region(base, nbytes, keep_alive)
+        return self._add_region(base, nbytes, target, keep_alive)
 
-    def _add_region(self, base: int, nbytes: int, keep: Any) -> Region:
-        region = Region(self, self._core.register_memory(base, nbytes), base, nbytes, keep)
+    def _add_region(self, base: int, nbytes: int, target: bool, keep: Any) -> Region:
+        region = Region(self, self._core.register_memory(base, nbytes, bool(target)), base, nbytes, bool(target), keep)
         with self._lock:
             self._regions[region.id] = region
         return region
@@ -408,7 +443,8 @@ class TransferEngine:
         return self._core.poll_messages(float(timeout))
 
     def remote_regions(self, peer: Peer) -> list[tuple[int, int, int]]:
-        """The peer's registered regions as ``(region_id, base_address, nbytes)``."""
+        """The peer's write targets as ``(region_id, base_address, nbytes)`` (its sources are
+        never listed), for adapters that address a peer's memory by pointer."""
         return self._core.remote_regions(peer._handle)
 
     # -- stats ----------------------------------------------------------------------------

@@ -76,7 +76,7 @@ class MooncakeCompatEngine:
     # -- registration ----------------------------------------------------------------
 
     def register(self, ptr: int, length: int) -> int:
-        region = self.engine.register_pointer(ptr, length)
+        region = self.engine.register_pointer(ptr, length, target=True)  # mooncake: peers write registered memory
         with self._lock:
             self._local[ptr] = region
         return 0

@@ -38,6 +38,7 @@ struct Region {
   uint8_t* base;
   uint64_t size;
   bool on_device = false;  // GPU memory: only a path that bypasses the CPU (RDMA) may touch it
+  bool target = false;     // peers may write into it; a source is only read by this engine
 };
 using RegionPtr = std::shared_ptr<const Region>;
 
@@ -125,6 +126,13 @@ struct EngineOptions {
   // TCP: pace each peer's bulk data so the path's queueing delay stays near this (0: off).
   double queue_delay_target_s = 0.0;
   uint32_t max_retries = 5;     // resends of one chunk, and reconnects of one stream, before giving up
+  // Connections this engine serves at once, in all and from one IP address (counted from
+  // accept, before authentication); beyond them a new connection is closed at once.
+  uint32_t max_connections = 1024;
+  uint32_t max_connections_per_host = 256;
+  // Bytes of received messages and notifications waiting for poll_messages(); a peer whose
+  // next one would exceed it waits (its control connection stalls) until there is room.
+  uint64_t max_inbox_bytes = 64ull << 20;
   // RDMA backend: device name ("": first device; "emulator": the verbs emulator), port, GID index (-1: auto).
   std::string rdma_device;
   uint8_t ib_port = 1;

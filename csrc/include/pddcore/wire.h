@@ -49,6 +49,7 @@ enum class AckStatus : uint8_t {
   kOutOfBounds = 3,    // offset + length outside the region
   kBadHeader = 4,      // bad magic, version or header CRC: the connection is closed
   kTooLarge = 5,       // length above kMaxChunkBytes: the connection is closed
+  kNotATarget = 6,     // the region was registered as a source: no peer may write into it
 };
 
 enum class ControlType : uint8_t {
@@ -68,6 +69,7 @@ inline const char* to_string(AckStatus s) {
     case AckStatus::kOutOfBounds: return "write out of bounds of the destination region";
     case AckStatus::kBadHeader: return "malformed chunk header";
     case AckStatus::kTooLarge: return "chunk larger than the protocol limit";
+    case AckStatus::kNotATarget: return "destination region is registered as a source, not as a write target";
   }
   return "unknown status";
 }
@@ -256,7 +258,7 @@ struct Ack {
     Reader r(in);
     if (r.get<uint32_t>() != kAckMagic) return false;
     const uint8_t s = r.get<uint8_t>();
-    if (s > static_cast<uint8_t>(AckStatus::kTooLarge)) return false;
+    if (s > static_cast<uint8_t>(AckStatus::kNotATarget)) return false;
     status = static_cast<AckStatus>(s);
     r.get<uint8_t>();
     r.get<uint16_t>();
@@ -291,6 +293,8 @@ struct ControlHeader {
 };
 
 // One registered region as listed in a kRegionList reply.
+// One write target of an engine (sources are never listed): what a pointer-addressed
+// adapter needs to write into it.
 struct RegionEntry {
   static constexpr size_t kSize = 24;
   uint64_t region_id = 0;

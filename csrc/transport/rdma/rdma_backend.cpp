@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
+#include <stdexcept>
 
 #include "../peer_links.h"
 
@@ -70,11 +71,12 @@ std::string RdmaBackend::device_description() const {
 void RdmaBackend::register_memory(const RegionPtr& region) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) throw TransferError("engine is closed");
-  ibv_mr* mr = device_->verbs().reg_mr(device_->pd(), region->base, region->size,
-                                       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  // A source gets no remote access at all: the NIC itself refuses writes into it.
+  const int access = IBV_ACCESS_LOCAL_WRITE | (region->target ? IBV_ACCESS_REMOTE_WRITE : 0);
+  ibv_mr* mr = device_->verbs().reg_mr(device_->pd(), region->base, region->size, access);
   if (mr == nullptr)
     throw TransferError("ibv_reg_mr of " + std::to_string(region->size) + " bytes failed: " + std::strerror(errno));
-  regions_[region->id] = LocalRegion{mr};
+  regions_[region->id] = LocalRegion{mr, region->target};
 }
 
 void RdmaBackend::deregister_memory(uint64_t region_id) {
@@ -188,7 +190,9 @@ setup::RegionKey RdmaBackend::remote_region(Link& link, uint64_t region_id, uint
 
 std::string RdmaBackend::verdict(const setup::RegionKey& key, const WriteChunk& c) {
   wire::AckStatus status = wire::AckStatus::kOk;
-  if (!key.known())
+  if (key.status == wire::AckStatus::kNotATarget)
+    status = key.status;
+  else if (!key.known())
     status = wire::AckStatus::kUnknownRegion;
   else if (!key.contains(c.dst_offset, c.length))
     status = wire::AckStatus::kOutOfBounds;
@@ -609,7 +613,9 @@ void RdmaBackend::serve(const Socket& socket, const PeerInfo&) {
         key.region_id = query.region_id;
         {
           std::lock_guard<std::mutex> lock(mutex_);
-          if (auto it = regions_.find(key.region_id); it != regions_.end()) {
+          if (auto it = regions_.find(key.region_id); it != regions_.end() && !it->second.target) {
+            key.status = wire::AckStatus::kNotATarget;  // no rkey for a source
+          } else if (it != regions_.end()) {
             key.address = reinterpret_cast<uint64_t>(it->second.mr->addr);
             key.rkey = it->second.mr->rkey;
             key.size = it->second.mr->length;
@@ -715,6 +721,10 @@ void RdmaBackend::debug_kill_stream(uint64_t peer_key, uint32_t stream) {
   device_->verbs().modify_qp(eps[stream % eps.size()]->qp->qp(), &attr, IBV_QP_STATE);
 }
 
-void RdmaBackend::debug_corrupt_chunks(uint32_t) {}
+void RdmaBackend::debug_corrupt_chunks(uint32_t) {
+  // The NIC moves the bytes and the link's ICRC checks them: there is no pddcore CRC to defeat.
+  throw std::invalid_argument("debug_corrupt_chunks does not apply to the rdma backend: its payloads are checked by "
+                              "the fabric (link CRC), not by a pddcore CRC32C");
+}
 
 }  // namespace pddcore::rdma

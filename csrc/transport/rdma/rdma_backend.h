@@ -106,6 +106,7 @@ class RdmaBackend final : public transfer::TransferBackend {
   };
   struct LocalRegion {
     ibv_mr* mr;
+    bool target;  // registered with REMOTE_WRITE, and its rkey handed out
   };
   using Callback = std::function<void()>;
   using Failures = std::vector<std::pair<transfer::TransferPtr, std::string>>;

@@ -112,7 +112,8 @@ struct RegionKey {
   uint32_t rkey = 0;
   uint64_t size = 0;
 
-  bool known() const { return status != wire::AckStatus::kUnknownRegion; }
+  // The responder gave an rkey: the region exists and is a write target.
+  bool known() const { return status == wire::AckStatus::kOk || status == wire::AckStatus::kOutOfBounds; }
   bool contains(uint64_t offset, uint64_t length) const { return offset <= size && length <= size - offset; }
 
   void encode(uint8_t* out) const {

@@ -428,6 +428,7 @@ bool TcpBackend::settle(Link& link, wire::AckStatus status, std::optional<WriteC
       break;
     case wire::AckStatus::kUnknownRegion:
     case wire::AckStatus::kOutOfBounds:
+    case wire::AckStatus::kNotATarget:
       if (chunk) host_.transfer_failed(chunk->transfer, "peer rejected a chunk: " + reason + " (" + describe(*chunk) + ")");
       break;
     case wire::AckStatus::kBadHeader:
@@ -546,6 +547,8 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
     RegionPtr region = host_.find_region(header.region_id);
     if (!region || region->on_device)  // GPU memory is no destination for the CPU's recv
       status = wire::AckStatus::kUnknownRegion;
+    else if (!region->target)
+      status = wire::AckStatus::kNotATarget;
     else if (header.offset > region->size || header.length > region->size - header.offset)
       status = wire::AckStatus::kOutOfBounds;
     const bool trailer = (header.flags & wire::ChunkHeader::kCrcTrailer) != 0;

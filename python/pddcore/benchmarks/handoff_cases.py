@@ -103,8 +103,8 @@ def main_decode(config_name: str, prefix_len: int, tokens: int, info_path: str, 
     done: dict[int, tuple[float, float]] = {}  # trial -> (message seen, KV in the pool)
     check: dict = {}
     with TransferEngine(listen=listen) as engine:
-        kv_region = engine.register(kv_buf)
-        bulk_region = engine.register(torch.zeros(BULK_BYTES, dtype=torch.uint8))
+        kv_region = engine.register(kv_buf, target=True)
+        bulk_region = engine.register(torch.zeros(BULK_BYTES, dtype=torch.uint8), target=True)
         write_info(info_path, f"{kv_region.descriptor().hex()} {bulk_region.descriptor().hex()}")
         rld = None
         while not os.path.exists(exit_path):

@@ -60,7 +60,7 @@ def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp") 
 
     probes = []
     with TransferEngine(backend, listen=listen) as engine:
-        region = engine.register(bytearray(nbytes))
+        region = engine.register(bytearray(nbytes), target=True)
         write_info(info_path, region.descriptor().hex())
         while True:
             for _, message in engine.poll_messages(timeout=1.0):

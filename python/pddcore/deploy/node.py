@@ -50,7 +50,7 @@ class Node:
         self.staging_region = None
         if config.get("staging_bytes"):
             self.staging = torch.empty(config["staging_bytes"], dtype=torch.uint8)
-            self.staging_region = self.engine.register(self.staging)
+            self.staging_region = self.engine.register(self.staging, target=True)
         self.hub: Connection = Client(config["hub"], family="AF_UNIX", authkey=bytes.fromhex(config["authkey"]))
         hello: dict[str, Any] = {"engine": self.engine.address}
         if self.staging_region is not None:

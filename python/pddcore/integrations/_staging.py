@@ -16,7 +16,7 @@ Where the buffer lives follows the KV pool and the transfer backend:
 Example::
 
     pool = StagingPool(engine, layout.device)
-    buf = pool.acquire(layout.packed_nbytes(len(ids)))
+    buf = pool.acquire(layout.packed_nbytes(len(ids)))            # a source: only we read it
     pack(layout, ids, out=buf.tensor)
     engine.write(peer, buf.region, 0, dst_descriptor, 0, buf.nbytes)
     ...
@@ -64,7 +64,7 @@ class StagingPool:
                              f"and KV on {self.kv_device}")
         self.gpudirect = gpudirect
         self.max_idle_bytes = int(max_idle_bytes)
-        self._idle: dict[int, list[StagingBuffer]] = {}
+        self._idle: dict[tuple[int, bool], list[StagingBuffer]] = {}  # (size class, target) -> buffers
         self._idle_bytes = 0
         self._lock = threading.Lock()
 
@@ -73,25 +73,27 @@ class StagingPool:
         """Where the buffers live: the KV's GPU with GPUDirect, the host otherwise."""
         return self.kv_device if self.gpudirect else torch.device("cpu")
 
-    def acquire(self, nbytes: int) -> StagingBuffer:
+    def acquire(self, nbytes: int, *, target: bool = False) -> StagingBuffer:
+        """A buffer of ``nbytes``; ``target=True`` for one that peers write into (a receive
+        buffer), else a source that only this engine reads."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        size = _size_class(nbytes)
+        key = (_size_class(nbytes), target)
         with self._lock:
-            free = self._idle.get(size)
+            free = self._idle.get(key)
             if free:
                 buf = free.pop()
-                self._idle_bytes -= size
+                self._idle_bytes -= key[0]
                 return StagingBuffer(buf._storage[:nbytes], buf.region, nbytes, buf._storage)
-        storage = self._allocate(size)
-        return StagingBuffer(storage[:nbytes], self._register(storage), nbytes, storage)
+        storage = self._allocate(key[0])
+        return StagingBuffer(storage[:nbytes], self._register(storage, target), nbytes, storage)
 
     def release(self, buf: StagingBuffer) -> None:
         """Returns ``buf``; the caller must not touch its tensor afterwards."""
         size = buf._storage.numel()
         with self._lock:
             if self._idle_bytes + size <= self.max_idle_bytes:
-                self._idle.setdefault(size, []).append(buf)
+                self._idle.setdefault((size, buf.region.target), []).append(buf)
                 self._idle_bytes += size
                 return
         self.engine.unregister(buf.region)
@@ -109,7 +111,7 @@ class StagingPool:
             return torch.empty(size, dtype=torch.uint8, device=self.kv_device)
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.kv_device.type == "cuda")
 
-    def _register(self, storage: torch.Tensor) -> Region:
+    def _register(self, storage: torch.Tensor, target: bool) -> Region:
         if self.gpudirect:
-            return self.engine.register_pointer(storage.data_ptr(), storage.numel(), keep_alive=storage)
-        return self.engine.register(storage)
+            return self.engine.register_pointer(storage.data_ptr(), storage.numel(), target=target, keep_alive=storage)
+        return self.engine.register(storage, target=target)

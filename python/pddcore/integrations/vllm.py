@@ -510,7 +510,7 @@ class PDDConnector(KVConnectorBase_V1):
             nbytes = self.layout.packed_nbytes(len(pending.pages), heads=dst_heads)
             pending.segments.append(_Segment(src_rank, addresses[src_rank], offset, nbytes, src_heads, dst_heads))
             offset += nbytes
-        pending.staging = self.staging.acquire(offset)
+        pending.staging = self.staging.acquire(offset, target=True)
         self._pending_loads[req_id] = pending
         for seg in pending.segments:
             self._send_control(seg.address, "pull", req=params["remote_request_id"], d_req=req_id,

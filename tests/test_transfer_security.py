@@ -1,0 +1,183 @@
+"""The transfer engine against peers that misbehave on purpose: a server that waives the
+proof, trickled handshakes, connection and message floods, writes into sources, and an
+engine exposed without a token. Real sockets on loopback; the wire is spoken by hand with
+the independent client of test_transfer_tcp.py."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import resource
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from pddcore.transfer import RegionDescriptor, TransferEngine, TransferError
+
+from test_transfer_tcp import _CHALLENGE, _HELLO, _RESULT, HELLO_MAGIC, TOKEN, _recv_exact, python_handshake
+
+
+class FakeServer:
+    """Accepts one connection, answers the hello with its own challenge (asking for
+    authentication or not), refuses whatever proof comes, and records every byte the client
+    sent."""
+
+    def __init__(self, auth_required: bool):
+        self.auth_required = auth_required
+        self.challenge = _CHALLENGE.pack(HELLO_MAGIC, 1, int(auth_required), 777, os.urandom(16))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.received = b""
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(5)
+            self.received = _recv_exact(conn, _HELLO.size)
+            conn.sendall(self.challenge)
+            try:
+                if self.auth_required:
+                    self.received += _recv_exact(conn, 32)
+                    conn.sendall(_RESULT.pack(2, b"\0" * 32, b"fake server says no".ljust(96, b"\0")))
+                while chunk := conn.recv(4096):
+                    self.received += chunk
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.listener.close()
+
+
+def test_client_with_a_token_refuses_a_server_that_waives_the_proof():
+    fake = FakeServer(auth_required=False)
+    try:
+        with TransferEngine(auth_token=TOKEN, timeout_s=5) as client:
+            with pytest.raises(TransferError, match="does not require authentication"):
+                client.connect(fake.address)
+    finally:
+        fake.close()
+    assert len(fake.received) == _HELLO.size  # nothing after the hello: no proof, no message, no data
+
+
+def test_the_token_never_crosses_the_wire():
+    """What a client sends is its hello and HMAC-SHA256(token, transcript), checked here
+    with Python's hmac; a wrong token is refused by a real engine."""
+    fake = FakeServer(auth_required=True)
+    try:
+        with TransferEngine(auth_token=TOKEN, timeout_s=5) as client:
+            with pytest.raises(TransferError, match="fake server says no"):
+                client.connect(fake.address)
+    finally:
+        fake.close()
+    hello, proof = fake.received[:_HELLO.size], fake.received[_HELLO.size:]
+    assert proof == hmac.new(TOKEN, b"pddcore client proof" + hello + fake.challenge, hashlib.sha256).digest()
+    assert TOKEN not in fake.received
+    with TransferEngine(auth_token=TOKEN, timeout_s=5) as server:
+        with pytest.raises(PermissionError, match="authentication failed"):
+            python_handshake(server.address, b"another-token")
+
+
+def test_write_into_a_source_region_is_refused_and_changes_nothing():
+    with TransferEngine(auth_token=TOKEN) as owner, TransferEngine(auth_token=TOKEN) as other:
+        secret = bytearray(os.urandom(4096))
+        before = bytes(secret)
+        source = owner.register(secret)  # default: a source
+        forged = RegionDescriptor(owner.address, owner.engine_id, source.id, source.nbytes)
+        src = other.register(bytearray(b"x" * 4096))
+        peer = other.connect(owner.address)
+        with pytest.raises(TransferError, match="registered as a source"):
+            other.write(peer, src, 0, forged, 0, 4096).wait(timeout=30)
+        assert bytes(secret) == before
+        assert owner.stats()["chunks_rejected"] >= 1
+        target = owner.register(bytearray(4096), target=True)
+        listed = other.remote_regions(peer)
+        assert [r[0] for r in listed] == [target.id]  # sources are never listed
+
+
+def test_engine_reachable_from_other_hosts_needs_a_token():
+    with pytest.raises(ValueError, match="needs an auth_token"):
+        TransferEngine(listen="0.0.0.0:0")
+    with pytest.raises(ValueError, match="must not be empty"):
+        TransferEngine(listen="0.0.0.0:0", auth_token=b"")
+    with TransferEngine(listen="0.0.0.0:0", auth_token=TOKEN), TransferEngine(listen="0.0.0.0:0", insecure=True):
+        pass
+    with TransferEngine(listen="127.0.0.1:0"):  # loopback: only this machine reaches it
+        pass
+
+
+def test_slow_loris_handshake_is_dropped_at_the_deadline():
+    """One byte every 0.3 s keeps each receive inside a 1 s timeout; the handshake's single
+    deadline still drops the connection long before the hello is complete."""
+    with TransferEngine(auth_token=TOKEN, timeout_s=1.0) as engine:
+        host, port = engine.address.rsplit(":", 1)
+        hello = _HELLO.pack(HELLO_MAGIC, 1, 1, 0, 1, os.urandom(16), b"127.0.0.1:1".ljust(64, b"\0"))
+        sent = 0
+        with socket.create_connection((host, int(port))) as sock:
+            try:
+                for byte in hello:
+                    sock.sendall(bytes([byte]))
+                    sent += 1
+                    time.sleep(0.3)
+            except OSError:  # reset / broken pipe: the engine closed the connection
+                pass
+        assert sent < len(hello), "the engine waited for the whole trickled hello"
+
+
+def test_idle_connection_flood_is_capped_and_a_good_peer_is_served():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 12000), hard), hard))
+    with TransferEngine(auth_token=TOKEN, timeout_s=30, max_connections=256,
+                        max_connections_per_host=200) as engine:
+        dst = bytearray(4096)
+        region = engine.register(dst, target=True)
+        threads_before = len(os.listdir("/proc/self/task"))
+        host, port = engine.address.rsplit(":", 1)
+        idle = []
+        try:
+            for _ in range(10_000):  # from another address than the good peer's (127.0.0.1)
+                idle.append(socket.create_connection((host, int(port)), source_address=("127.0.0.3", 0)))
+            # The flood comes from one host: 200 are held (idle, unauthenticated), the rest closed.
+            with TransferEngine(auth_token=TOKEN) as good:
+                data = os.urandom(4096)
+                src = good.register(bytearray(data))
+                good.write(good.connect(engine.address), src, 0, region.descriptor(), 0, 4096).wait(timeout=30)
+                assert bytes(dst) == data
+            threads = len(os.listdir("/proc/self/task"))
+            assert threads - threads_before <= 256 + 16  # one thread per held connection, no more
+            assert engine.stats()["connections_refused"] >= 10_000 - 200
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_message_flood_is_held_back_not_dropped():
+    with TransferEngine(auth_token=TOKEN, max_inbox_bytes=4 << 20) as receiver, \
+            TransferEngine(auth_token=TOKEN, timeout_s=60) as sender:
+        peer = sender.connect(receiver.address)
+        count, size = 48, 1 << 20
+        done = threading.Event()
+
+        def flood():
+            for i in range(count):
+                sender.send(peer, struct.pack("<I", i) + b"m" * (size - 4))
+            done.set()
+
+        threading.Thread(target=flood, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while receiver.stats()["messages_received"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # let the flood push as far as it can
+        held = receiver.stats()["messages_received"]
+        assert 1 <= held <= 4 and not done.is_set()  # the inbox is full: the sender waits
+        got = []
+        while len(got) < count:
+            assert time.monotonic() < deadline
+            got += [struct.unpack_from("<I", m)[0] for _, m in receiver.poll_messages(timeout=1.0)]
+        assert got == list(range(count))  # every message, in order: held back, none dropped
