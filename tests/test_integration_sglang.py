@@ -1,11 +1,36 @@
-"""pddcore as SGLang's PD transfer backend: the real ``KVPoll`` state machine, prefill and
-decode in two processes, pages compared byte for byte against plain torch indexing."""
+"""pddcore as SGLang's PD transfer backend, on SGLang's own KV pools: the real ``KVPoll`` state
+machine, prefill and decode in two processes, pages compared byte for byte.
+
+The KV pools are SGLang's ``MHATokenToKVPool`` / ``MLATokenToKVPool`` built on the CPU, and
+``KVArgs`` are filled the way the prefill / decode queues' ``_init_kv_manager`` fills them
+(``get_contiguous_buf_infos``; the decode side without ``kv_head_num``, as SGLang leaves it).
+
+SGLang's own ``PrefillBootstrapQueue`` / ``DecodePreallocQueue`` / ``DecodeTransferQueue`` are
+not driven here. Their constructors read the scheduler's process-wide runtime context
+(``sglang.srt.runtime_context.get_parallel()`` -> ``attn_tp_group.cpu_group``, a torch.distributed
+gloo group, and ``get_disagg()``), which only ``Scheduler`` initialises together with a model
+runner (``scheduler.tp_worker.model_runner.kv_cache_dtype_str``), a radix tree and an allocator;
+``DecodePreallocQueue`` then polls through ``poll_and_all_reduce`` (a gloo all-reduce). Faking
+that context would test our fake, not SGLang, so the queues run only in the GPU end-to-end test
+below (a real prefill and decode ``sglang.Engine``). What the queues call on the backend is
+checked instead against SGLang's source (``test_backend_has_what_sglangs_queues_call``).
+"""
 
 from __future__ import annotations
 
+import enum
+import importlib.machinery
+import importlib.util
 import multiprocessing as mp
+import os
+import re
 import socket
+import subprocess
+import sys
+import threading
 import time
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +42,47 @@ conn = pytest.importorskip("sglang.srt.disaggregation.base.conn",
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from pddcore.integrations import sglang as pdd  # noqa: E402
+from pddcore.transfer import TransferEngine  # noqa: E402
+
+
+def _torchvision_stand_in() -> None:
+    """``sglang.srt.mem_cache.memory_pool`` imports ``sglang.srt.configs``, whose ``__init__``
+    imports every model config; two of them (``deepseek_ocr``, and ``nano_nemotron_vl`` through
+    ``multimodal.internvl_utils``) import ``torchvision.transforms`` at module level. The PyPI
+    torchvision wheels need a CUDA torch, so CPU machines have none. The KV pools never touch
+    it: this registers a stand-in with just the names those modules import, after transformers
+    has cached "torchvision unavailable" (so transformers never uses the stand-in)."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    from transformers.utils.import_utils import is_torchvision_available
+
+    assert not is_torchvision_available()
+
+    def module(name: str) -> types.ModuleType:
+        mod = types.ModuleType(name)
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        sys.modules[name] = mod
+        return mod
+
+    class InterpolationMode(enum.Enum):
+        NEAREST, BILINEAR, BICUBIC = "nearest", "bilinear", "bicubic"
+
+    vision, transforms, functional = (module(n) for n in ("torchvision", "torchvision.transforms",
+                                                          "torchvision.transforms.functional"))
+    vision.transforms, transforms.functional = transforms, functional
+    transforms.InterpolationMode = functional.InterpolationMode = InterpolationMode
+
+
+_torchvision_stand_in()
+try:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+except ImportError as exc:
+    pytest.skip(f"SGLang's KV pools do not import ({exc}); install tests/integrations/requirements-engines.txt",
+                allow_module_level=True)
 
 KVPoll = conn.KVPoll
-PAGE, HEAD_DIM, LAYERS, POOL_PAGES, AUX_ITEM = 4, 8, 3, 12, 16
+PAGE, HEAD_DIM, LAYERS, SLOTS, AUX_ITEM = 4, 8, 3, 44, 16
+KV_LORA_RANK, ROPE_DIM = 16, 8
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
@@ -29,48 +92,79 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server_args(port: int, tp: int = 1) -> ServerArgs:
-    return ServerArgs(model_path="unused-model", host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp)
+def _server_args(port: int, tp: int = 1, **overrides) -> ServerArgs:
+    return ServerArgs(model_path="unused-model", host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=tp,
+                      **{"device": "cpu", **overrides})
 
 
-class Pool:
-    """An SGLang-shaped MHA token pool (``[slots, heads, head_dim]`` per layer) plus one aux buffer."""
+@pytest.fixture(autouse=True, scope="module")
+def loopback_data_address():
+    """Engines listen on loopback (the decode child inherits this); the address tests below
+    unset it to check SGLang's local-IP detection."""
+    saved = os.environ.get(pdd.HOST_ENV)
+    os.environ[pdd.HOST_ENV] = "127.0.0.1"
+    yield
+    os.environ.pop(pdd.HOST_ENV)
+    if saved is not None:
+        os.environ[pdd.HOST_ENV] = saved
 
-    def __init__(self, heads: int, rank: int, total_heads: int, fill: torch.Tensor | None = None):
-        shape = (POOL_PAGES * PAGE, heads, HEAD_DIM)
-        if fill is None:
-            self.k = [torch.zeros(shape) for _ in range(LAYERS)]
-            self.v = [torch.zeros(shape) for _ in range(LAYERS)]
-        else:  # fill: [LAYERS, 2, slots, total_heads, dim]; take this rank's heads
-            sl = slice(rank * heads, (rank + 1) * heads)
-            self.k = [fill[i, 0, :, sl].clone() for i in range(LAYERS)]
-            self.v = [fill[i, 1, :, sl].clone() for i in range(LAYERS)]
+
+class Rank:
+    """One scheduler rank's KV: SGLang's own pool on the CPU (bf16), the ``KVArgs`` its queues
+    build from it, and one aux (metadata) buffer. ``fill``: ``[LAYERS, planes, slots, total_heads,
+    dim]`` of which this rank takes its heads (MHA) or everything (MLA); None: zeros."""
+
+    def __init__(self, *, mla: bool, heads: int, total_heads: int, rank: int, fill: torch.Tensor | None = None,
+                 publish_heads: bool = True):
+        common = dict(size=SLOTS, page_size=PAGE, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
+                      enable_memory_saver=False)
+        if mla:
+            self.pool = MLATokenToKVPool(kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, **common)
+            self.planes = list(self.pool.kv_buffer)
+        else:
+            self.pool = MHATokenToKVPool(head_num=heads, head_dim=HEAD_DIM, **common)
+            self.planes = list(self.pool.k_buffer) + list(self.pool.v_buffer)
+        for i, plane in enumerate(self.planes):
+            if fill is None:
+                plane.zero_()
+            else:
+                layer, kind = i % LAYERS, i // LAYERS
+                plane.copy_(fill[layer, kind] if mla else fill[layer, kind, :, rank * heads:(rank + 1) * heads])
         self.aux = torch.zeros(8, AUX_ITEM, dtype=torch.uint8)
         args = conn.KVArgs()
-        planes = self.k + self.v
-        args.kv_data_ptrs = [t.data_ptr() for t in planes]
-        args.kv_data_lens = [t.numel() * 4 for t in planes]
-        args.kv_item_lens = [PAGE * heads * HEAD_DIM * 4] * len(planes)
-        args.page_size, args.kv_head_num, args.total_kv_head_num, args.engine_rank = PAGE, heads, total_heads, rank
+        args.engine_rank, args.page_size, args.gpu_id = rank, PAGE, 0
+        args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = self.pool.get_contiguous_buf_infos()
+        if not mla and publish_heads:  # prefill queue: always; decode queue: only with its staging buffer
+            args.kv_head_num, args.total_kv_head_num = heads, total_heads
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [self.aux.data_ptr()], [self.aux.numel()], [AUX_ITEM]
         self.args = args
 
-    def pages(self, ids) -> torch.Tensor:
-        """[LAYERS, 2, len(ids), PAGE, heads, dim] copy of the given pages."""
-        return torch.stack([torch.stack([t.view(POOL_PAGES, PAGE, *t.shape[1:])[list(ids)] for t in pair])
-                            for pair in zip(self.k, self.v)])
+    @property
+    def num_pages(self) -> int:
+        return self.planes[0].shape[0] // PAGE
+
+    def snapshot(self) -> np.ndarray:
+        """Every plane's bytes as int16 ``[planes, pages, PAGE, heads, dim]`` (numpy has no bf16)."""
+        stacked = torch.stack(self.planes)
+        return stacked.view(torch.int16).view(len(self.planes), self.num_pages, PAGE, *stacked.shape[2:]).numpy().copy()
+
+
+def _fill(mla: bool, total_heads: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    rank0 = Rank(mla=mla, heads=total_heads, total_heads=total_heads, rank=0)
+    shape = (LAYERS, 1 if mla else 2, *rank0.planes[0].shape)
+    return torch.randn(shape, generator=gen).to(torch.bfloat16)
 
 
 def decode_side(cmd: dict, out) -> None:
     """Child process: decode ranks of TP ``d_tp`` receive one room; reports states and pages."""
     torch.set_num_threads(1)
-    d_tp, total = cmd["d_tp"], cmd["total_heads"]
-    pools, mgrs, receivers = [], [], []
+    d_tp, total, mla = cmd["d_tp"], cmd["total_heads"], cmd["mla"]
+    ranks, mgrs, receivers = [], [], []
     try:
-        for rank in range(d_tp):
-            pool = Pool(total // d_tp, rank, total)
-            pools.append(pool)
-            mgrs.append(pdd.PDDKVManager(pool.args, "decode", _server_args(cmd["port"], d_tp)))
+        for r in range(d_tp):
+            ranks.append(Rank(mla=mla, heads=total // d_tp, total_heads=total, rank=r, publish_heads=False))
+            mgrs.append(pdd.PDDKVManager(ranks[-1].args, "decode", _server_args(cmd["port"], d_tp), mla))
             receivers.append(pdd.PDDKVReceiver(mgrs[-1], f"127.0.0.1:{cmd['port']}", cmd["room"], timeout_s=60))
         seen = [[r.poll()] for r in receivers]
         while any(s[-1] == KVPoll.Bootstrapping for s in seen):
@@ -96,7 +190,7 @@ def decode_side(cmd: dict, out) -> None:
                 except pdd.PDDTransferError as exc:
                     errors.append(str(exc))
         out.send({"states": [list(dict.fromkeys(s)) for s in seen], "errors": errors,
-                  "pools": [(p.pages(range(POOL_PAGES)).numpy(), p.aux.numpy().copy()) for p in pools]})
+                  "pools": [(rank.snapshot(), rank.aux.numpy().copy()) for rank in ranks]})
     except Exception as exc:  # report instead of hanging the parent
         out.send({"crash": repr(exc)})
     finally:
@@ -111,7 +205,7 @@ def decode_server(pipe) -> None:
 
 
 @pytest.fixture(scope="module")
-def decode_process():
+def decode_process(loopback_data_address):
     ctx = mp.get_context("spawn")  # a fresh interpreter: no threads inherited from pytest
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=decode_server, args=(child,), daemon=True)
@@ -126,18 +220,25 @@ def decode_process():
 @pytest.fixture
 def run_decode(decode_process):
     def start(**cmd):
-        decode_process.send(cmd)
+        decode_process.send({"mla": False, **cmd})
         return decode_process
 
     return start
 
 
-def _drive_prefill(p_tp, total, fill, port, room, p_pages, prefix_pages, chunks, abort_prefill=False):
+def _receive(out, deadline_s: float = 120) -> dict:
+    assert out.poll(deadline_s), "the decode process sent nothing"
+    result = out.recv()
+    assert "crash" not in result, result
+    return result
+
+
+def _drive_prefill(p_tp, total, fill, port, room, p_pages, prefix_pages, chunks, abort_prefill=False, mla=False):
     server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
-    pools = [Pool(total // p_tp, r, total, fill) for r in range(p_tp)]
-    for pool in pools:
-        pool.aux[5] = torch.arange(AUX_ITEM, dtype=torch.uint8) + 7
-    mgrs = [pdd.PDDKVManager(pool.args, "prefill", _server_args(port, p_tp)) for pool in pools]
+    ranks = [Rank(mla=mla, heads=total // p_tp, total_heads=total, rank=r, fill=fill) for r in range(p_tp)]
+    for rank in ranks:
+        rank.aux[5] = torch.arange(AUX_ITEM, dtype=torch.uint8) + 7
+    mgrs = [pdd.PDDKVManager(rank.args, "prefill", _server_args(port, p_tp), mla) for rank in ranks]
     senders = [pdd.PDDKVSender(m, f"127.0.0.1:{port}", room) for m in mgrs]
     seen = [[s.poll()] for s in senders]
     try:
@@ -168,39 +269,37 @@ def _drive_prefill(p_tp, total, fill, port, room, p_pages, prefix_pages, chunks,
         server.close()
 
 
-@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1), (1, 2)])
-def test_pages_and_prefix_suffix_arrive_byte_identical(run_decode, p_tp, d_tp):
-    total, port, room = 4, _free_port(), 4242 + p_tp * 10 + d_tp
-    gen = torch.Generator().manual_seed(p_tp * 7 + d_tp)
-    fill = torch.randn(LAYERS, 2, POOL_PAGES * PAGE, total, HEAD_DIM, generator=gen)
+@pytest.mark.parametrize("mla,p_tp,d_tp", [(False, 1, 1), (False, 2, 1), (False, 1, 2), (True, 1, 1)],
+                         ids=["mha-tp1-1", "mha-tp2-1", "mha-tp1-2", "mla-tp1-1"])
+def test_pages_and_prefix_suffix_arrive_byte_identical(run_decode, mla, p_tp, d_tp):
+    total, port, room = 4, _free_port(), 4242 + p_tp * 10 + d_tp + 100 * mla
+    fill = _fill(mla, total, seed=p_tp * 7 + d_tp + mla)
     p_pages = [9, 3, 4, 11, 0, 6]           # the request's pages on prefill, in token order
     prefix_pages = 2                        # decode's radix cache already holds the first 2 pages
     d_pages = [7, 1, 10, 2]                 # decode pages for the suffix
     out = run_decode(d_tp=d_tp, total_heads=total, port=port, room=room, d_pages=d_pages, d_aux=3,
-                     prefix_len=prefix_pages * PAGE)
-    p_states, _ = _drive_prefill(p_tp, total, fill, port, room, p_pages, prefix_pages, chunks=2)
-    result = out.recv()
-    assert "crash" not in result, result
+                     prefix_len=prefix_pages * PAGE, mla=mla)
+    p_states, _ = _drive_prefill(p_tp, total, fill, port, room, p_pages, prefix_pages, chunks=2, mla=mla)
+    result = _receive(out)
     assert all(states[0] == KVPoll.Bootstrapping for states in p_states), p_states
     for states in p_states + result["states"]:  # the KVPoll order, as polled
         assert states[-1] == KVPoll.Success, states
         assert states == sorted(states) and KVPoll.WaitingForInput in states, states
-    full = fill.view(LAYERS, 2, POOL_PAGES, PAGE, total, HEAD_DIM)
-    per = total // d_tp
+    source = Rank(mla=mla, heads=total, total_heads=total, rank=0, fill=fill).snapshot()  # all heads, one rank
+    per = 1 if mla else total // d_tp
     for rank, (pages, aux) in enumerate(result["pools"]):
-        pages, aux = torch.from_numpy(pages), torch.from_numpy(aux)
-        want = torch.zeros_like(pages)
-        want[:, :, d_pages] = full[:, :, p_pages[prefix_pages:], :, rank * per:(rank + 1) * per]
-        assert torch.equal(pages, want)  # suffix in place, prefix pages and the rest untouched
+        want = np.zeros_like(pages)
+        heads = slice(None) if mla else slice(rank * per, (rank + 1) * per)
+        want[:, d_pages] = source[:, p_pages[prefix_pages:], :, heads]
+        assert np.array_equal(pages, want)  # suffix in place, prefix pages and the rest untouched
         assert aux[3].tolist() == list(range(7, 7 + AUX_ITEM)) and int(aux.sum()) == int(aux[3].sum())
 
 
 def test_prefill_abort_fails_both_sides(run_decode):
     port, room = _free_port(), 77
-    fill = torch.randn(LAYERS, 2, POOL_PAGES * PAGE, 2, HEAD_DIM)
     out = run_decode(d_tp=1, total_heads=2, port=port, room=room, d_pages=[1, 2], d_aux=0, prefix_len=0)
-    p_states, senders = _drive_prefill(1, 2, fill, port, room, [4, 5], 0, chunks=1, abort_prefill=True)
-    result = out.recv()
+    p_states, senders = _drive_prefill(1, 2, _fill(False, 2, 1), port, room, [4, 5], 0, chunks=1, abort_prefill=True)
+    result = _receive(out)
     assert p_states[0][-1] == KVPoll.Failed and result["states"][0][-1] == KVPoll.Failed
     with pytest.raises(pdd.PDDTransferError, match="aborted by the prefill side"):
         senders[0].failure_exception()
@@ -210,14 +309,12 @@ def test_prefill_abort_fails_both_sides(run_decode):
 
 def test_decode_abort_fails_prefill(run_decode):
     port, room = _free_port(), 78
-    fill = torch.randn(LAYERS, 2, POOL_PAGES * PAGE, 2, HEAD_DIM)
     out = run_decode(d_tp=1, total_heads=2, port=port, room=room, d_pages=[1, 2], d_aux=0, prefix_len=0,
                      abort_decode=True)
     server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
-    pool = Pool(2, 0, 2, fill)
-    mgr = pdd.PDDKVManager(pool.args, "prefill", _server_args(port))
+    mgr = pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0).args, "prefill", _server_args(port))
     try:
-        result = out.recv()
+        result = _receive(out)
         assert result["states"][0][-1] == KVPoll.Failed and "aborted by the decode side" in result["errors"][0]
         sender = pdd.PDDKVSender(mgr, f"127.0.0.1:{port}", room)
         deadline = time.monotonic() + 30
@@ -230,9 +327,176 @@ def test_decode_abort_fails_prefill(run_decode):
         server.close()
 
 
+# ---- one process: both sides' managers side by side -------------------------------------------------
+
+class Pair:
+    """A bootstrap server, one prefill and one decode manager (TP 1, two KV heads) in this process."""
+
+    def __init__(self, fill_seed: int = 3, **server_overrides):
+        self.port = _free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.server = pdd.PDDKVBootstrapServer("127.0.0.1", self.port)
+        self.fill = _fill(False, 2, fill_seed)
+        self.src = Rank(mla=False, heads=2, total_heads=2, rank=0, fill=self.fill)
+        self.dst = Rank(mla=False, heads=2, total_heads=2, rank=0, publish_heads=False)
+        self.prefill = pdd.PDDKVManager(self.src.args, "prefill", _server_args(self.port, **server_overrides))
+        self.decode = pdd.PDDKVManager(self.dst.args, "decode", _server_args(_free_port()))
+
+    def start(self, room: int) -> tuple[pdd.PDDKVSender, pdd.PDDKVReceiver]:
+        """A sender and a receiver for ``room``, the receiver past bootstrapping."""
+        sender = pdd.PDDKVSender(self.prefill, self.addr, room)
+        receiver = pdd.PDDKVReceiver(self.decode, self.addr, room, timeout_s=60)
+        _wait(lambda: receiver.poll() != KVPoll.Bootstrapping)
+        return sender, receiver
+
+    def move(self, room: int, src_pages: list[int], dst_pages: list[int]) -> tuple[int, int]:
+        """Moves ``src_pages`` into ``dst_pages`` for ``room``; returns both sides' final states."""
+        sender, receiver = self.start(room)
+        receiver.send_metadata(np.array(dst_pages, dtype=np.int32), aux_index=1)
+        _wait(lambda: sender.poll() != KVPoll.Bootstrapping)
+        sender.init(len(src_pages), aux_index=0)
+        sender.send(np.array(src_pages, dtype=np.int32))
+        _wait(lambda: sender.poll() in TERMINAL and receiver.poll() in TERMINAL)
+        states = sender.poll(), receiver.poll()
+        sender.clear()
+        receiver.clear()
+        return states
+
+    def pages(self) -> torch.Tensor:
+        """The prefill pool's content as ``[planes, pages, PAGE, heads, dim]``, planes ordered as
+        SGLang lists them (all K layers, then all V layers)."""
+        return self.fill.transpose(0, 1).reshape(2 * LAYERS, -1, PAGE, 2, HEAD_DIM)
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+        self.server.close()
+
+
+def _wait(condition, deadline_s: float = 30) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_kv_device_follows_server_args_and_gpu_id():
+    args = conn.KVArgs()
+    args.gpu_id = 3
+    assert pdd.kv_device(args, ServerArgs(model_path="m", device="cpu")) == torch.device("cpu")
+    assert pdd.kv_device(args, ServerArgs(model_path="m", device="cuda")) == torch.device("cuda", 3)
+    assert pdd.kv_device(args, ServerArgs(model_path="m")) == torch.device("cuda", 3)  # unresolved: SGLang's default
+    with pytest.raises(ValueError, match="cpu or cuda, not on 'npu'"):
+        pdd.kv_device(args, ServerArgs(model_path="m", device="npu"))
+
+
+def test_manager_layout_is_on_the_kv_device(pair):
+    assert pair.prefill.layout.device == torch.device("cpu") and pair.prefill.staging.kv_device.type == "cpu"
+    rank = Rank(mla=False, heads=2, total_heads=2, rank=0)
+    rank.args.gpu_id = 1
+    gpu_args = _server_args(_free_port(), device="cuda")
+    # A layout over CUDA pointers is only described here (nothing is read without a GPU): the
+    # manager must say where the pool is rather than leave it to a CPU default.
+    try:
+        mgr = pdd.PDDKVManager(rank.args, "decode", gpu_args)
+    except (RuntimeError, ValueError) as exc:  # a CPU-only torch may refuse to describe a CUDA pool at all
+        assert "cuda" in str(exc).lower(), exc
+    else:
+        assert mgr.layout.device == torch.device("cuda", 1)
+        mgr.close()
+
+
+def test_staging_buffers_are_registered_once_and_reused(pair):
+    registered = {"prefill": 0, "decode": 0}
+    for side in registered:
+        engine = getattr(pair, side).engine
+        original = engine.register
+
+        def counting(memory, _side=side, _original=original, **kwargs):
+            registered[_side] += 1
+            return _original(memory, **kwargs)
+
+        engine.register = counting
+    for room, (src, dst) in enumerate([([3, 4], [5, 6]), ([7, 8], [1, 2]), ([9], [10])], start=500):
+        assert pair.move(room, src, dst) == (KVPoll.Success, KVPoll.Success)
+    assert registered == {"prefill": 1, "decode": 1}  # three requests, one pooled buffer per side
+    got, want = torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16), pair.pages()
+    for src, dst in ([3, 4], [5, 6]), ([7, 8], [1, 2]), ([9], [10]):
+        assert torch.equal(got[:, dst], want[:, src])
+
+
+def test_malformed_messages_fail_only_the_room_they_name(pair):
+    victim_sender, victim = pair.start(31)
+    rogue = TransferEngine(listen="127.0.0.1:0")
+    try:
+        garbage = [b"not ours at all", pdd._MAGIC + b"{not json", pdd._MAGIC + b"\xff\xfe",
+                   pdd._MAGIC + b"[1, 2]", pdd._encode("reg", room="31"), pdd._encode("chunk"),
+                   pdd._encode("chunk", room=99, src="0", idx=0, last=True),
+                   pdd._encode("what", room=31)]
+        for target in (pair.decode, pair.prefill):
+            peer = rogue.connect(target.engine.address)
+            for payload in garbage:
+                rogue.send(peer, payload)
+        _wait(lambda: victim.poll() == KVPoll.Failed and victim_sender.poll() == KVPoll.Failed)
+        with pytest.raises(pdd.PDDTransferError, match="unknown message kind 'what'"):
+            victim.failure_exception()
+        with pytest.raises(pdd.PDDTransferError, match="unknown message kind 'what'"):
+            victim_sender.failure_exception()
+        assert "mistyped src" in pair.decode.inbox(99).failure  # room 99 was named, so it is failed too
+    finally:
+        rogue.close()
+    # Both pumps still run: the next request moves its pages.
+    assert pair.move(32, [2, 6], [4, 8]) == (KVPoll.Success, KVPoll.Success)
+    got = torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)
+    assert torch.equal(got[:, [4, 8]], pair.pages()[:, [2, 6]])
+
+
+def test_state_indices_fail_the_request_instead_of_raising(pair):
+    sender, receiver = pair.start(41)
+    receiver.send_metadata(np.array([1], dtype=np.int32), state_indices=[[3]])  # a Mamba slot, say
+    assert receiver.poll() == KVPoll.Failed
+    with pytest.raises(pdd.PDDTransferError, match="state_indices"):
+        receiver.failure_exception()
+    sender2, receiver2 = pair.start(42)
+    receiver2.send_metadata(np.array([1], dtype=np.int32))
+    _wait(lambda: sender2.poll() == KVPoll.WaitingForInput)
+    sender2.init(1)
+    sender2.send(np.array([2], dtype=np.int32), state_indices=[None, [5, 6]])
+    assert sender2.poll() == KVPoll.Failed
+    with pytest.raises(pdd.PDDTransferError, match="state_indices"):
+        sender2.failure_exception()
+    _wait(lambda: receiver2.poll() == KVPoll.Failed)  # the decode side was told
+    assert np.count_nonzero(pair.dst.snapshot()) == 0
+    sender.clear()
+    receiver.clear()
+
+
+def test_failed_write_fails_both_sides(pair):
+    """The decode staging region disappears before prefill writes: the engine rejects the write,
+    the sender fails and tells the receiver; neither side applies anything."""
+    sender, receiver = pair.start(21)
+    receiver.send_metadata(np.array([1, 2], dtype=np.int32))
+    _wait(lambda: sender.poll() != KVPoll.Bootstrapping)
+    pair.decode.engine.unregister(receiver._staging.region)  # the fault: the destination is gone
+    sender.init(2)
+    sender.send(np.array([3, 4], dtype=np.int32))
+    _wait(lambda: (sender.poll(), receiver.poll()) == (KVPoll.Failed, KVPoll.Failed))
+    with pytest.raises(pdd.PDDTransferError, match="transfer failed"):
+        sender.failure_exception()
+    with pytest.raises(pdd.PDDTransferError, match="transfer failed"):
+        receiver.failure_exception()
+    assert np.count_nonzero(pair.dst.snapshot()) == 0
+
+
 def test_decode_times_out_without_prefill():
-    pool = Pool(2, 0, 2)
-    mgr = pdd.PDDKVManager(pool.args, "decode", _server_args(_free_port()))
+    mgr = pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0).args, "decode", _server_args(_free_port()))
     try:
         nobody = f"127.0.0.1:{_free_port()}"
         assert not mgr.try_ensure_parallel_info(nobody) and nobody not in mgr.prefill_info_table
@@ -240,53 +504,19 @@ def test_decode_times_out_without_prefill():
         assert receiver.poll() == KVPoll.Bootstrapping
         with pytest.raises(RuntimeError, match="need WaitingForInput"):
             receiver.send_metadata(np.array([1], dtype=np.int32))
-        time.sleep(0.3)
-        assert receiver.poll() == KVPoll.Failed
+        _wait(lambda: receiver.poll() == KVPoll.Failed)
         with pytest.raises(pdd.PDDTransferError, match="timed out in state 1"):
             receiver.failure_exception()
     finally:
         mgr.close()
 
 
-def test_failed_write_fails_both_sides():
-    """The decode staging region disappears before prefill writes: the engine rejects the write,
-    the sender fails and tells the receiver; neither side applies anything."""
-    port = _free_port()
-    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
-    src = Pool(2, 0, 2, torch.randn(LAYERS, 2, POOL_PAGES * PAGE, 2, HEAD_DIM))
-    dst = Pool(2, 0, 2)
-    prefill = pdd.PDDKVManager(src.args, "prefill", _server_args(port))
-    decode = pdd.PDDKVManager(dst.args, "decode", _server_args(_free_port()))
-    try:
-        sender = pdd.PDDKVSender(prefill, f"127.0.0.1:{port}", 21)
-        receiver = pdd.PDDKVReceiver(decode, f"127.0.0.1:{port}", 21, timeout_s=30)
-        assert receiver.poll() == KVPoll.WaitingForInput
-        receiver.send_metadata(np.array([1, 2], dtype=np.int32))
-        deadline = time.monotonic() + 30
-        while sender.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
-            time.sleep(0.005)
-        decode.engine.unregister(receiver._region)  # the fault: the destination is gone
-        sender.init(2)
-        sender.send(np.array([3, 4], dtype=np.int32))
-        while (sender.poll(), receiver.poll()) != (KVPoll.Failed, KVPoll.Failed):
-            assert time.monotonic() < deadline, (sender.poll(), receiver.poll())
-            time.sleep(0.005)
-        with pytest.raises(pdd.PDDTransferError, match="transfer failed"):
-            sender.failure_exception()
-        with pytest.raises(pdd.PDDTransferError, match="transfer failed"):
-            receiver.failure_exception()
-        assert torch.count_nonzero(torch.stack(dst.k + dst.v)) == 0
-    finally:
-        decode.close()
-        prefill.close()
-        server.close()
-
-
 def test_decode_rejects_a_prefill_pool_of_another_shape():
     port = _free_port()
     server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
-    prefill = pdd.PDDKVManager(Pool(2, 0, 2).args, "prefill", _server_args(port))
-    decode = pdd.PDDKVManager(Pool(1, 0, 1).args, "decode", _server_args(_free_port()))  # 1 KV head, not 2
+    prefill = pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0).args, "prefill", _server_args(port))
+    one_head = Rank(mla=False, heads=1, total_heads=1, rank=0)  # a decode that says it has 1 KV head in all
+    decode = pdd.PDDKVManager(one_head.args, "decode", _server_args(_free_port()))
     try:
         assert decode.try_ensure_parallel_info(f"127.0.0.1:{port}")  # what SGLang's decode queue asks first
         info = decode.prefill_info_table[f"127.0.0.1:{port}"]
@@ -301,31 +531,124 @@ def test_decode_rejects_a_prefill_pool_of_another_shape():
         server.close()
 
 
-def test_sender_rejects_more_pages_than_announced_and_state_indices():
+def test_sender_refuses_calls_out_of_order(pair):
+    sender = pdd.PDDKVSender(pair.prefill, pair.addr, 9)
+    with pytest.raises(RuntimeError, match="before the decode side registered"):
+        sender.init(2)
+    with pytest.raises(RuntimeError, match="before init"):
+        sender.send(np.array([1], dtype=np.int32))
+
+
+# ---- addresses -------------------------------------------------------------------------------------
+
+def test_wildcard_host_advertises_the_local_ip(monkeypatch):
+    from sglang.srt.utils.network import get_local_ip_auto
+
+    monkeypatch.delenv(pdd.HOST_ENV)
+    monkeypatch.setenv("PDDCORE_AUTH_TOKEN", "sglang-test")  # an engine beyond loopback requires one
+    try:
+        local_ip = get_local_ip_auto()
+    except ValueError as exc:
+        pytest.skip(f"SGLang finds no local IP on this machine: {exc}")
     port = _free_port()
-    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
-    pool = Pool(2, 0, 2)
-    mgr = pdd.PDDKVManager(pool.args, "prefill", _server_args(port))
+    server = pdd.PDDKVBootstrapServer("0.0.0.0", port)
+    args = _server_args(port)
+    args.host = "0.0.0.0"  # the HTTP server on every interface: registration goes to loopback
+    prefill = pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0).args, "prefill", args)
     try:
-        sender = pdd.PDDKVSender(mgr, f"127.0.0.1:{port}", 9)
-        with pytest.raises(RuntimeError, match="before the decode side registered"):
-            sender.init(2)
-        with pytest.raises(RuntimeError, match="before init"):
-            sender.send(np.array([1], dtype=np.int32))
+        assert prefill.engine.address.rpartition(":")[0] == local_ip not in ("0.0.0.0", "127.0.0.1")
+        table = pdd._http("GET", f"http://127.0.0.1:{port}/route")
+        assert table["ranks"] == {"0": prefill.engine.address}
     finally:
-        mgr.close()
+        prefill.close()
         server.close()
+    monkeypatch.setenv(pdd.HOST_ENV, "0.0.0.0")
+    with pytest.raises(ValueError, match="wildcard"):
+        pdd.advertised_host()
 
 
-def test_install_registers_backend():
+def test_bootstrap_registration_goes_to_dist_init_addr_and_retries(monkeypatch):
+    port = _free_port()
+    # --host names an address nobody listens on; multi-node SGLang registers at dist_init_addr's host.
+    args = _server_args(port, dist_init_addr="localhost:29500")
+    args.host = "192.0.2.123"
+    assert pdd.bootstrap_url(args) == f"http://127.0.0.1:{port}/route"
+    monkeypatch.setattr(pdd, "_REGISTER_RETRY_DELAYS_S", (0.3, 0.3, 0.3))
+    servers = []
+    starter = threading.Timer(0.15, lambda: servers.append(pdd.PDDKVBootstrapServer("127.0.0.1", port)))
+    starter.start()  # the server comes up after the first attempt failed
     try:
-        import sglang.srt.disaggregation.utils as disagg_utils
-    except Exception as exc:  # noqa: BLE001 - any import failure means the CPU install cannot reach it
-        pytest.skip(f"sglang.srt.disaggregation.utils does not import here ({type(exc).__name__}: {exc}); "
-                    "it needs torchvision, whose PyPI build requires a CUDA torch")
+        mgr = pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0).args, "prefill", args)
+        try:
+            assert pdd._http("GET", f"http://127.0.0.1:{port}/route")["ranks"] == {"0": mgr.engine.address}
+        finally:
+            mgr.close()
+    finally:
+        starter.join()
+        for server in servers:
+            server.close()
+    monkeypatch.setattr(pdd, "_REGISTER_RETRY_DELAYS_S", (0.01, 0.01))
+    with pytest.raises(RuntimeError, match="could not register at the bootstrap server .* after 3 attempts"):
+        pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0).args, "prefill", _server_args(_free_port()))
+
+
+# ---- what SGLang calls ---------------------------------------------------------------------------
+
+SGLANG_SRT = Path(conn.__file__).resolve().parents[2]
+# Read by SGLang only behind hasattr/getattr or a feature the backend does not claim
+# (SGLANG_DISAGG_STAGING_BUFFER, the prefill_complete allocation policy).
+_OPTIONAL = {"require_staging", "mark_prefill_complete", "transfer_infos", "enable_all_cp_ranks_for_transfer",
+             "attn_cp_rank", "attn_cp_size", "_early_send_wait_event"}
+
+
+def test_backend_has_what_sglangs_queues_call(pair):
+    sources = "".join((SGLANG_SRT / f).read_text() for f in ("disaggregation/prefill.py", "disaggregation/decode.py",
+                                                            "disaggregation/utils.py", "managers/scheduler.py"))
+    sender, receiver = pair.start(61)
+    for obj, pattern in [(receiver, r"kv_receiver\.(\w+)"), (sender, r"disagg_kv_sender\.(\w+)"),
+                         (receiver.kv_mgr, r"kv_receiver\.kv_mgr\.(\w+)")]:
+        called = set(re.findall(pattern, sources)) - _OPTIONAL
+        assert called, pattern  # the source still reads like this
+        missing = sorted(name for name in called if not hasattr(obj, name))
+        assert not missing, f"{type(obj).__name__} lacks {missing}"
+    assert receiver.kv_mgr is pair.decode and sender.kv_mgr is pair.prefill
+    assert receiver.conclude_state is None and receiver.bootstrap_infos == [pair.prefill.engine.address]
+    receiver.ensure_abort_notified(force_arm=True)
+    assert receiver.abort_notified
+    _wait(lambda: sender.poll() == KVPoll.Failed)  # the notification reached the prefill
+    receiver.abort()
+    assert receiver.conclude_state == KVPoll.Failed and pair.decode.is_abort_release_safe(61, 1)
+
+
+@pytest.mark.parametrize("hide_torchvision", [True, False])
+def test_cli_accepts_the_backend_after_load_plugins(hide_torchvision):
+    """SGLang's own CLI path, in a fresh interpreter: load_plugins() runs pddcore's entry point,
+    then ``--disaggregation-transfer-backend pddcore`` must parse, with or without torchvision."""
+    script = f"""
+import argparse, sys
+if {hide_torchvision}:
+    sys.modules["torchvision"] = None  # as on a machine without it
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import ServerArgs
+load_plugins()
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+ns = parser.parse_args(["--model-path", "m", "--disaggregation-mode", "prefill",
+                        "--disaggregation-transfer-backend", "pddcore"])
+print("backend=" + ServerArgs.from_cli_args(ns).disaggregation_transfer_backend)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "backend=pddcore" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_install_hooks_the_backend_classes():
+    import sglang.srt.disaggregation.utils as disagg_utils
+
     pdd.install()
     backend = disagg_utils.TransferBackend("pddcore")
     assert disagg_utils.get_kv_class(backend, disagg_utils.KVClassType.SENDER) is pdd.PDDKVSender
+    assert disagg_utils.get_kv_class(backend, disagg_utils.KVClassType.RECEIVER) is pdd.PDDKVReceiver
     assert disagg_utils.get_kv_class(disagg_utils.TransferBackend("fake"),
                                      disagg_utils.KVClassType.SENDER).__name__ == "FakeKVSender"
 
@@ -342,7 +665,6 @@ def test_generation_end_to_end_on_gpu(tmp_path):
     except ImportError as exc:
         pytest.skip(f"sglang's CUDA stack does not import ({exc}); install sglang with its CUDA torch")
     import json
-    import threading
 
     pdd.install()
     (tmp_path / "config.json").write_text(json.dumps({
