@@ -654,7 +654,7 @@ def test_install_hooks_the_backend_classes():
 
 
 @pytest.mark.gpu
-def test_generation_end_to_end_on_gpu(tmp_path):
+def test_generation_end_to_end_on_gpu(tmp_path, monkeypatch):
     """A prefill and a decode sglang Engine (dummy weights, same seed) with the pddcore backend:
     the decode side's greedy tokens must equal a single engine's."""
     if not torch.cuda.is_available():
@@ -667,6 +667,7 @@ def test_generation_end_to_end_on_gpu(tmp_path):
     import json
 
     pdd.install()
+    monkeypatch.setenv("PDDCORE_AUTH_TOKEN", "gpu-test")  # the engines' scheduler processes inherit it
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000,

@@ -514,7 +514,8 @@ def test_generation_end_to_end_on_gpu(tmp_path):
     write_model_config(tmp_path)
     common = dict(model=str(tmp_path), skip_tokenizer_init=True, load_format="dummy", seed=0, enforce_eager=True,
                   max_model_len=512, gpu_memory_utilization=0.15)
-    transfer = dict(kv_connector="PDDConnector", kv_connector_module_path="pddcore.integrations.vllm")
+    transfer = dict(kv_connector="PDDConnector", kv_connector_module_path="pddcore.integrations.vllm",
+                    kv_connector_extra_config={"auth_token": "gpu-test"})
     prompt = {"prompt_token_ids": list(range(3, 83))}
     baseline = LLM(**common).generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
     producer = LLM(**common, kv_transfer_config={**transfer, "kv_role": "kv_producer"})

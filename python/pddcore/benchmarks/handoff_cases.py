@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..model import ModelConfig
+from .auth import bench_token
 from .transfer_cases import desc_address, read_info, write_info
 
 MODELS: dict[str, ModelConfig] = {
@@ -102,7 +103,7 @@ def main_decode(config_name: str, prefix_len: int, tokens: int, info_path: str, 
     kv_buf = torch.zeros(layout.packed_nbytes(tokens // PAGE_SIZE), dtype=torch.uint8)
     done: dict[int, tuple[float, float]] = {}  # trial -> (message seen, KV in the pool)
     check: dict = {}
-    with TransferEngine(listen=listen) as engine:
+    with TransferEngine(listen=listen, auth_token=bench_token()) as engine:
         kv_region = engine.register(kv_buf, target=True)
         bulk_region = engine.register(torch.zeros(BULK_BYTES, dtype=torch.uint8), target=True)
         write_info(info_path, f"{kv_region.descriptor().hex()} {bulk_region.descriptor().hex()}")
@@ -145,7 +146,7 @@ def bulk_sender(info_path: str, stop_path: str) -> dict:
     from pddcore.transfer import TransferEngine
 
     bulk_desc = bytes.fromhex(read_info(info_path).split()[1])
-    with TransferEngine(streams=4, chunk_bytes=1 << 20) as engine:
+    with TransferEngine(streams=4, chunk_bytes=1 << 20, auth_token=bench_token()) as engine:
         src = engine.register(torch.randint(0, 256, (BULK_BYTES,), dtype=torch.uint8))
         peer = engine.connect(desc_address(bulk_desc))
         start = time.monotonic()
@@ -186,7 +187,7 @@ def relay_decode(config_name: str, prefix_len: int, tokens: int, trials: int, in
     sampler = SamplerState(seed=1234, rng_offset=tokens, num_generated=tokens)
     rng = random.Random(seed)
     started: dict[int, float] = {}
-    with TransferEngine(listen=listen) as engine:
+    with TransferEngine(listen=listen, auth_token=bench_token()) as engine:
         src = engine.register(buf)
         md = engine.connect(desc_address(kv_desc))
         engine.send(md, b"hello")

@@ -27,6 +27,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from .auth import bench_token
+
 CHUNK_BYTES = (64 << 10, 1 << 20, 16 << 20)
 STREAMS = (1, 4, 8)
 _PROBE = struct.Struct("<3sBd")  # b"lat", phase, send time
@@ -59,7 +61,7 @@ def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp") 
     from pddcore.transfer import TransferEngine
 
     probes = []
-    with TransferEngine(backend, listen=listen) as engine:
+    with TransferEngine(backend, listen=listen, auth_token=bench_token()) as engine:
         region = engine.register(bytearray(nbytes), target=True)
         write_info(info_path, region.descriptor().hex())
         while True:
@@ -171,7 +173,8 @@ def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 4, chunk_sizes=CHUNK_
             port = int(read_info(port_path))
             raw_view = memoryview(data.numpy())
             for chunk, streams in configs:
-                with TransferEngine(backend, streams=streams, chunk_bytes=chunk) as engine:
+                with TransferEngine(backend, streams=streams, chunk_bytes=chunk,
+                                    auth_token=bench_token()) as engine:
                     src = engine.register(data)
                     peer = engine.connect(desc_address(desc))
                     engine_times, raw_times = [], []
@@ -250,7 +253,7 @@ def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, c
         time.sleep(streams * (4 << 20) * 8 / pace_bps + 0.5)
 
     out = {}
-    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes) as engine:
+    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, auth_token=bench_token()) as engine:
         region = engine.register(data)
         peer = engine.connect(desc_address(desc))
         engine.write(peer, region, 0, desc, 0, piece_bytes).wait()  # opens the streams
@@ -263,11 +266,13 @@ def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, c
         loaded(engine, 1)
     drain_link()
     # Paced just below the line rate, the bulk flows keep the bottleneck queue short.
-    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, rate_limit_bps=pace_bps) as paced:
+    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, rate_limit_bps=pace_bps,
+                        auth_token=bench_token()) as paced:
         loaded(paced, 2)
     drain_link()
     # Paced by the engine itself: the whole bulk transfer, probed once the pacer settled.
-    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, queue_delay_target_s=queue_delay_target_s) as auto:
+    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, queue_delay_target_s=queue_delay_target_s,
+                        auth_token=bench_token()) as auto:
         region = auto.register(data)
         peer = auto.connect(desc_address(desc))
         start = time.perf_counter()

@@ -326,7 +326,8 @@ class PDDKVManager(BaseKVManager):
     decode side fills ``kv_head_num`` only with its staging buffer on; without it the decode
     rank learns its head count from the first prefill it bootstraps against (its page size over
     the prefill's bytes per head). ``PDDCORE_AUTH_TOKEN``, the same on both sides, authenticates
-    every connection; an engine listening beyond loopback refuses to start without it.
+    every connection; an engine listening beyond loopback refuses to start without it, unless
+    ``PDDCORE_INSECURE=1`` says the network is trusted.
     """
 
     supports_role_switch = False
@@ -346,7 +347,8 @@ class PDDKVManager(BaseKVManager):
         elif getattr(args, "kv_head_num", None):
             self._use_heads(int(args.kv_head_num), int(args.total_kv_head_num))
         self.host = advertised_host()
-        self.engine = TransferEngine(listen=f"{self.host}:0", auth_token=os.environ.get("PDDCORE_AUTH_TOKEN"))
+        self.engine = TransferEngine(listen=f"{self.host}:0", auth_token=os.environ.get("PDDCORE_AUTH_TOKEN"),
+                                     insecure=os.environ.get("PDDCORE_INSECURE") == "1")
         self.staging = StagingPool(self.engine, self.device)
         self._aux_regions: list[Region] = []
         if self.mode == "prefill":

@@ -37,7 +37,10 @@ vLLM's ``get_ip()`` finds it, which honours ``VLLM_HOST_IP``), ``advertise_host`
 address peers connect to, when it differs from ``host``; ``0.0.0.0`` is never
 advertised), ``port`` (base port; rank r listens on port + r; default: any free port,
 published through the handshake metadata), ``lease_s`` (producer keeps unsent KV this
-long, default 60), ``load_timeout_s`` (consumer gives up, default 60), ``auth_token``,
+long, default 60), ``load_timeout_s`` (consumer gives up, default 60), ``auth_token`` (the
+same on every producer and consumer; required unless ``host`` is a loopback address or
+``insecure`` is true: without it anybody who reaches the port could write into staging
+buffers),
 ``backend`` (``"tcp"``, default, or ``"rdma"``), ``rdma_device`` (e.g. ``"mlx5_0"``),
 ``gpudirect`` (rdma with KV on a GPU: stage in registered device memory, which the NIC reads
 and writes directly, instead of pinned host memory), ``tp_rank`` (override for tests or
@@ -303,6 +306,7 @@ class PDDConnector(KVConnectorBase_V1):
         port = 0 if self.base_port is None else int(self.base_port) + self.tp_rank
         backend = extra.get("backend", "tcp")
         self.engine = TransferEngine(backend, listen=f"{self.listen_host}:{port}", auth_token=extra.get("auth_token"),
+                                     insecure=bool(extra.get("insecure", False)),
                                      **({"device": extra["rdma_device"]} if "rdma_device" in extra else {}))
         self.gpudirect = bool(extra.get("gpudirect", False))
         self.address = f"{self.host}:{self.engine.address.rpartition(':')[2]}"
