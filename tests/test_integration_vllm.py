@@ -419,6 +419,35 @@ def test_scheduler_and_workers_end_to_end_a_malformed_message_fails_one_request(
         cw.conn.shutdown()
 
 
+def test_forged_done_is_ignored_and_the_real_one_completes_the_load(model_dir):
+    """A well-formed "done" from an engine the consumer did not pull from (as a plain message,
+    not a write notification) changes nothing; the producer's real notification completes it."""
+    pw = make_worker(model_dir, "kv_producer", seed=5)
+    cw = make_worker(model_dir, "kv_consumer", seed=6)
+    rogue = TransferEngine()
+    try:
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": [3, 8]}), forward=True)
+        params = dict(remote_request_id="p-req", pdd_addresses=[pw.conn.address], tp_size=1, remote_block_ids=[3, 8],
+                      remote_host="127.0.0.1", remote_port=1)
+        before = as_bytes(cw.blocks([10, 12]))
+        worker_step(cw, PDDConnectorMetadata(loads={"d-req": _Load([10, 12], 0, params)}))
+        rogue.send(rogue.connect(cw.conn.address), _MAGIC + json.dumps({"k": "done", "req": "d-req", "src": 0}).encode())
+        deadline = time.monotonic() + 60
+        while cw.conn.engine.stats()["messages_received"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        out = worker_step(cw, PDDConnectorMetadata())
+        assert not out.finished_recving and not out.failed_recving  # neither completed nor failed by it
+        assert as_bytes(cw.blocks([10, 12])) == before
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
+        assert not results[1].failed_recving and not errors[1]
+        assert as_bytes(cw.blocks([10, 12])) == as_bytes(pw.blocks([3, 8]))
+    finally:
+        rogue.close()
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
 def test_consumer_load_times_out_and_reports_blocks(model_dir):
     consumer = make_worker(model_dir, "kv_consumer", extra={"load_timeout_s": 0.2}).conn
     try:
@@ -486,13 +515,15 @@ def test_rdma_backend_moves_blocks(model_dir):
 
 def test_wildcard_host_is_advertised_as_the_routable_address(model_dir, monkeypatch):
     """Listening on 0.0.0.0 advertises vLLM's get_ip() (VLLM_HOST_IP), never 0.0.0.0, and a peer
-    reaches the worker at the advertised address."""
+    reaches the worker at the advertised address; without a token it would not start."""
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.9")
-    w = make_worker(model_dir, "kv_producer", extra={"host": "0.0.0.0"})
+    with pytest.raises(ValueError, match="needs an auth_token"):
+        make_worker(model_dir, "kv_producer", extra={"host": "0.0.0.0"})
+    w = make_worker(model_dir, "kv_producer", extra={"host": "0.0.0.0", "auth_token": "t"})
     try:
         host, _, port = w.conn.get_handshake_metadata().address.rpartition(":")
         assert host == "127.0.0.9" and int(port) > 0
-        with TransferEngine() as peer:
+        with TransferEngine(auth_token="t") as peer:
             assert peer.connect(w.conn.address).connected
     finally:
         w.conn.shutdown()

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pddcore import _C
 from pddcore.info import collect
-from pddcore.transfer import TransferEngine, TransferError
+from pddcore.transfer import Message, TransferEngine, TransferError
 
 import cpp_unit
 from test_transfer_tcp import python_handshake
@@ -140,7 +140,7 @@ def test_write_longer_than_the_send_queue_completes():
         got = []
         while not got and time.monotonic() < deadline:
             got = b.poll_messages()
-        assert got == [(a.address, b"all")]
+        assert got == [Message(a.address, a.engine_id, b"all", notification=True)]
 
 
 def test_scattered_batch_lands_exactly():

@@ -15,10 +15,13 @@ import threading
 import time
 
 import pytest
+import torch
 
+from pddcore import _C
 from pddcore.transfer import RegionDescriptor, TransferEngine, TransferError
 
-from test_transfer_tcp import _CHALLENGE, _HELLO, _RESULT, HELLO_MAGIC, TOKEN, _recv_exact, python_handshake
+from test_transfer_tcp import (_ACK, _CHALLENGE, _HELLO, _RESULT, HELLO_MAGIC, TOKEN, WIRE_VERSION, _recv_exact,
+                               chunk_frame, python_handshake)
 
 
 class FakeServer:
@@ -28,7 +31,7 @@ class FakeServer:
 
     def __init__(self, auth_required: bool):
         self.auth_required = auth_required
-        self.challenge = _CHALLENGE.pack(HELLO_MAGIC, 1, int(auth_required), 777, os.urandom(16))
+        self.challenge = _CHALLENGE.pack(HELLO_MAGIC, WIRE_VERSION, int(auth_required), 777, os.urandom(16))
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.received = b""
@@ -117,7 +120,7 @@ def test_slow_loris_handshake_is_dropped_at_the_deadline():
     deadline still drops the connection long before the hello is complete."""
     with TransferEngine(auth_token=TOKEN, timeout_s=1.0) as engine:
         host, port = engine.address.rsplit(":", 1)
-        hello = _HELLO.pack(HELLO_MAGIC, 1, 1, 0, 1, os.urandom(16), b"127.0.0.1:1".ljust(64, b"\0"))
+        hello = _HELLO.pack(HELLO_MAGIC, WIRE_VERSION, 1, 0, 1, os.urandom(16), b"127.0.0.1:1".ljust(64, b"\0"))
         sent = 0
         with socket.create_connection((host, int(port))) as sock:
             try:
@@ -179,5 +182,77 @@ def test_message_flood_is_held_back_not_dropped():
         got = []
         while len(got) < count:
             assert time.monotonic() < deadline
-            got += [struct.unpack_from("<I", m)[0] for _, m in receiver.poll_messages(timeout=1.0)]
+            got += [struct.unpack_from("<I", m.payload)[0] for m in receiver.poll_messages(timeout=1.0)]
         assert got == list(range(count))  # every message, in order: held back, none dropped
+
+
+_CONTROL = struct.Struct("<IBBHII")  # magic, type, 0, 0, length, payload CRC
+CONTROL_MAGIC, FENCE, FENCE_ACK = 0x4D444450, 7, 8
+FENCED = 7  # ack status of a chunk of a fenced (cancelled) transfer
+
+
+def test_receiver_drops_chunks_of_a_fenced_transfer():
+    """Wire level: after a fence for tag 5 (and its ack), chunks tagged 5 from that sender are
+    dropped unwritten; other tags, and other senders, still land."""
+    engine = TransferEngine(auth_token=TOKEN)
+    try:
+        buf = bytearray(4096)
+        region = engine.register(buf, target=True)
+        with python_handshake(engine.address, TOKEN, kind=0) as control, \
+                python_handshake(engine.address, TOKEN, kind=1) as data:
+            tag = struct.pack("<I", 5)
+            control.sendall(_CONTROL.pack(CONTROL_MAGIC, FENCE, 0, 0, 4, _C.crc32c(tag)) + tag)
+            magic, kind, _, _, length, _ = _CONTROL.unpack(_recv_exact(control, _CONTROL.size))
+            assert (magic, kind, _recv_exact(control, length)) == (CONTROL_MAGIC, FENCE_ACK, tag)
+            data.sendall(chunk_frame(1, region.id, 0, b"s" * 64, tag=5))
+            assert _ACK.unpack(_recv_exact(data, _ACK.size))[1] == FENCED
+            assert bytes(buf[:64]) == b"\0" * 64
+            data.sendall(chunk_frame(2, region.id, 0, b"n" * 64, tag=6))
+            assert _ACK.unpack(_recv_exact(data, _ACK.size))[1] == 0
+            assert bytes(buf[:64]) == b"n" * 64
+    finally:
+        engine.close()
+
+
+def test_cancel_then_immediate_reuse_sees_no_stale_byte():
+    """A transfer cancelled mid-flight: once cancel() returns, the destination is reused and
+    no byte of the cancelled transfer lands in it afterwards."""
+    nbytes = 32 << 20
+    with TransferEngine(auth_token=TOKEN) as receiver, \
+            TransferEngine(auth_token=TOKEN, streams=4, chunk_bytes=256 << 10, rate_limit_bps=400e6) as sender:
+        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        region = receiver.register(dst, target=True)
+        src = sender.register(torch.full((nbytes,), 0xAB, dtype=torch.uint8))
+        peer = sender.connect(receiver.address)
+        t = sender.write(peer, src, 0, region.descriptor(), 0, nbytes)
+        deadline = time.monotonic() + 60
+        while t.bytes_acked < nbytes // 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        t.cancel()
+        assert t.status == "cancelled"
+        dst.zero_()  # reuse at once
+        before = receiver.stats()["chunks_received"]
+        time.sleep(0.5)  # what was still on the wire arrives (and is dropped) meanwhile
+        assert int(dst.count_nonzero()) == 0
+        assert receiver.stats()["chunks_received"] >= before  # the stream kept serving
+        # The engines go on: a new transfer into the same region lands whole.
+        sender.write(peer, src, 0, region.descriptor(), 0, 1 << 20).wait(timeout=60)
+        assert int(dst[: 1 << 20].eq(0xAB).sum()) == 1 << 20
+
+
+def test_notifications_are_told_apart_from_messages_and_name_their_engine():
+    """A peer can send messages, but only a write it made can produce a notification; both
+    carry the sender engine's id from its authenticated hello."""
+    with TransferEngine(auth_token=TOKEN) as receiver, TransferEngine(auth_token=TOKEN) as sender:
+        region = receiver.register(bytearray(64), target=True)
+        peer = sender.connect(receiver.address)
+        sender.send(peer, b"looks like a notification")
+        sender.write(peer, sender.register(bytearray(b"k" * 64)), 0, region.descriptor(), 0, 64,
+                     notify=b"applied").wait(timeout=30)
+        got, deadline = [], time.monotonic() + 30
+        while len(got) < 2:
+            assert time.monotonic() < deadline
+            got += receiver.poll_messages(timeout=1.0)
+        assert [(m.payload, m.notification, m.sender_engine_id) for m in got] == [
+            (b"looks like a notification", False, sender.engine_id), (b"applied", True, sender.engine_id)]

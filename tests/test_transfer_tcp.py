@@ -396,9 +396,10 @@ def test_frozen_peer_fails_after_timeout(backend):
 _HELLO = struct.Struct("<IHBBQ16s64s")
 _CHALLENGE = struct.Struct("<IHBQ16s")
 _RESULT = struct.Struct("<B32s96s")
-_CHUNK = struct.Struct("<IHHQQQII")
+_CHUNK = struct.Struct("<IHHQQQIII")  # ... length, payload CRC, transfer tag; then the header CRC
 _ACK = struct.Struct("<IBBHQ")
 HELLO_MAGIC, CHUNK_MAGIC, ACK_MAGIC = 0x48444450, 0x43444450, 0x41444450
+WIRE_VERSION = 2
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -411,7 +412,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def python_handshake(address: str, token: bytes | None, kind: int = 1, version: int = 1) -> socket.socket:
+def python_handshake(address: str, token: bytes | None, kind: int = 1, version: int = WIRE_VERSION) -> socket.socket:
     """An independent client of the handshake, with Python's hmac: HMAC-SHA256(token,
     label + hello + challenge) each way."""
     host, port = address.rsplit(":", 1)
@@ -431,10 +432,10 @@ def python_handshake(address: str, token: bytes | None, kind: int = 1, version: 
     return sock
 
 
-def chunk_frame(seq: int, region: int, offset: int, payload: bytes, crc: int | None = None) -> bytes:
-    head = _CHUNK.pack(CHUNK_MAGIC, 1, 0, seq, region, offset, len(payload),
-                       _C.crc32c(payload) if crc is None else crc)
-    return head + struct.pack("<II", _C.crc32c(head), 0) + payload
+def chunk_frame(seq: int, region: int, offset: int, payload: bytes, crc: int | None = None, tag: int = 0) -> bytes:
+    head = _CHUNK.pack(CHUNK_MAGIC, WIRE_VERSION, 0, seq, region, offset, len(payload),
+                       _C.crc32c(payload) if crc is None else crc, tag)
+    return head + struct.pack("<I", _C.crc32c(head)) + payload
 
 
 @pytest.fixture(scope="module")
@@ -450,8 +451,8 @@ def test_python_client_speaks_the_wire_format(target):
     engine, region, buf = target
     with pytest.raises(PermissionError, match="authentication failed"):
         python_handshake(engine.address, b"not the token")
-    with pytest.raises(PermissionError, match="protocol version 2"):
-        python_handshake(engine.address, TOKEN, version=2)
+    with pytest.raises(PermissionError, match=f"protocol version {WIRE_VERSION + 1}"):
+        python_handshake(engine.address, TOKEN, version=WIRE_VERSION + 1)
     with python_handshake(engine.address, TOKEN) as sock:
         payload = os.urandom(100)
         sock.sendall(chunk_frame(7, region.id, 10, payload))
@@ -480,14 +481,15 @@ def _good_peer_still_served(engine: TransferEngine, region, buf: bytearray) -> N
 
 frames = st.one_of(
     st.binary(max_size=300),  # garbage before any handshake
-    st.builds(lambda cut, tail: _HELLO.pack(HELLO_MAGIC, 1, 1, 0, 1, b"\0" * 16, b"\0" * 64)[:cut] + tail,
+    st.builds(lambda cut, tail: _HELLO.pack(HELLO_MAGIC, WIRE_VERSION, 1, 0, 1, b"\0" * 16, b"\0" * 64)[:cut] + tail,
               st.integers(0, _HELLO.size), st.binary(max_size=64)),  # truncated or trailing-garbage hello
 )
 after_handshake = st.one_of(
     st.binary(max_size=200),
     st.builds(lambda off, n, cut: chunk_frame(1, 1, off, b"p" * n)[:cut],
               st.integers(0, 1 << 40), st.integers(0, 5000), st.integers(0, 6000)),  # truncated chunks
-    st.builds(lambda length: _CHUNK.pack(CHUNK_MAGIC, 1, 0, 1, 1, 0, length, 0), st.integers(0, 2**32 - 1)),
+    st.builds(lambda length: _CHUNK.pack(CHUNK_MAGIC, WIRE_VERSION, 0, 1, 1, 0, length, 0, 0),
+              st.integers(0, 2**32 - 1)),
 )
 
 

@@ -27,7 +27,7 @@ def _sink(listen: str, info_path: str, nbytes: int = NBYTES) -> str:
         region = engine.register(buf, target=True)
         write_info(info_path, region.descriptor().hex())
         got = engine.poll_messages(timeout=60)
-        assert got and got[0][1] == b"done", got
+        assert got and got[0].payload == b"done" and got[0].notification, got
         return hashlib.sha256(buf).hexdigest()
 
 

@@ -42,7 +42,8 @@ def _serve(conn, engine_kwargs: dict) -> None:
                 while not got and time.monotonic() < deadline:
                     got = engine.poll_messages(timeout=deadline - time.monotonic())
                 now = time.monotonic()
-                reply = [(p, m, now, digest(buffers[args[1]]) if args[1] is not None else None) for p, m in got]
+                reply = [(m.sender, m.payload, now, digest(buffers[args[1]]) if args[1] is not None else None)
+                         for m in got]
             elif cmd == "stats":
                 reply = engine.stats()
             elif cmd == "unregister":  # (index): also frees the buffer

@@ -105,13 +105,15 @@ void bind_transfer(nb::module_& m) {
       .def(
           "poll_messages",
           [](Engine& e, double timeout_s) {
-            std::vector<std::pair<std::string, std::string>> got;
+            std::vector<InboxEntry> got;
             {
               nb::gil_scoped_release release;
               got = e.poll_messages(timeout_s);
             }
             nb::list out;
-            for (auto& [from, body] : got) out.append(nb::make_tuple(from, nb::bytes(body.data(), body.size())));
+            for (auto& m : got)
+              out.append(nb::make_tuple(m.sender, m.sender_engine_id, nb::bytes(m.payload.data(), m.payload.size()),
+                                        m.notification));
             return out;
           },
           nb::arg("timeout_s"))

@@ -252,7 +252,7 @@ void Engine::serve_connection(Connection* conn) {
     if (from.host == "0.0.0.0") from.host = peer_ip(conn->socket);
     const std::string from_address = format_address(from);
     conn->socket.set_nodelay();
-    if (hello.kind == wire::ConnKind::kControl) serve_control(conn->socket, from_address);
+    if (hello.kind == wire::ConnKind::kControl) serve_control(conn->socket, from_address, hello.engine_id);
     for (auto& backend : backends_)  // a kind no backend serves (e.g. RDMA to a tcp-only engine) is closed
       if (hello.kind == backend->conn_kind()) backend->serve(conn->socket, PeerInfo{0, from_address, hello.engine_id});
   } catch (const std::exception&) {
@@ -262,7 +262,7 @@ void Engine::serve_connection(Connection* conn) {
   conn->done = true;
 }
 
-void Engine::serve_control(const Socket& s, const std::string& from) {
+void Engine::serve_control(const Socket& s, const std::string& from, uint64_t from_engine_id) {
   std::vector<uint8_t> payload;
   while (!closing_) {
     uint8_t header_bytes[wire::ControlHeader::kSize];
@@ -286,7 +286,7 @@ void Engine::serve_control(const Socket& s, const std::string& from) {
           });
           if (closing_) return;
           inbox_bytes_ += body.size();
-          inbox_.emplace_back(from, std::move(body));
+          inbox_.push_back({from, from_engine_id, std::move(body), header.type == wire::ControlType::kNotify});
           ++messages_received_;
         }
         inbox_cv_.notify_all();
@@ -296,6 +296,13 @@ void Engine::serve_control(const Socket& s, const std::string& from) {
         reply.type = wire::ControlType::kPong;
         reply_body = std::move(body);
         break;
+      case wire::ControlType::kFence: {
+        if (body.size() != sizeof(uint32_t)) throw TransferError("malformed fence");
+        install_fence(from_engine_id, wire::Reader(reinterpret_cast<const uint8_t*>(body.data())).get<uint32_t>());
+        reply.type = wire::ControlType::kFenceAck;
+        reply_body = std::move(body);
+        break;
+      }
       case wire::ControlType::kRegionQuery: {
         reply.type = wire::ControlType::kRegionList;
         std::lock_guard<std::mutex> lock(regions_mutex_);
@@ -349,6 +356,10 @@ void Engine::read_control_replies(const PeerPtr& peer) {
         }
         ++peer->region_lists_received;
         peer->reply_cv.notify_all();
+      } else if (header.type == wire::ControlType::kFenceAck && payload.size() == sizeof(uint32_t)) {
+        std::lock_guard<std::mutex> lock(peer->reply_mutex);
+        peer->fences_confirmed.insert(wire::Reader(payload.data()).get<uint32_t>());
+        peer->reply_cv.notify_all();
       }
     }
   } catch (const std::exception& e) {
@@ -390,12 +401,11 @@ void Engine::send(const PeerPtr& peer, const std::string& message) {
   ++messages_sent_;
 }
 
-std::vector<std::pair<std::string, std::string>> Engine::poll_messages(double timeout_s) {
+std::vector<InboxEntry> Engine::poll_messages(double timeout_s) {
   std::unique_lock<std::mutex> lock(inbox_mutex_);
   if (timeout_s > 0)
     inbox_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return !inbox_.empty() || closing_; });
-  std::vector<std::pair<std::string, std::string>> out(std::make_move_iterator(inbox_.begin()),
-                                                       std::make_move_iterator(inbox_.end()));
+  std::vector<InboxEntry> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
   inbox_.clear();
   inbox_bytes_ = 0;
   lock.unlock();
@@ -514,18 +524,65 @@ void Engine::complete_transfer(ActiveTransfer active) {
 void Engine::chunk_retried(const WriteChunk& chunk, const std::string& why) {
   ++retries_;
   if (why == wire::to_string(wire::AckStatus::kBadCrc)) ++crc_errors_;
-  std::lock_guard<std::mutex> lock(peers_mutex_);
-  auto it = peers_.find(chunk.transfer->peer_key);
-  if (it != peers_.end()) ++it->second->retries;
+  if (PeerPtr peer = find_peer(chunk.transfer->peer_key)) ++peer->retries;
 }
 
 void Engine::transfer_failed(const TransferPtr& transfer, const std::string& why) {
   finish_transfer(transfer, TransferStatus::kFailed, why);
 }
 
-void Engine::cancel(const TransferPtr& transfer) { finish_transfer(transfer, TransferStatus::kCancelled, "cancelled"); }
+void Engine::cancel(const TransferPtr& transfer) {
+  const PeerPtr peer = find_peer(transfer->peer_key);
+  finish_transfer(transfer, TransferStatus::kCancelled, "cancelled");
+  // A failed transfer is fenced too: its chunks on the wire must not land in a reused range.
+  if (transfer->status() == TransferStatus::kDone || !peer) return;
+  const int64_t deadline = now_ns() + static_cast<int64_t>(options_.timeout_s * 1e9);
+  peer->backend->drain(*transfer, deadline);
+  const uint32_t tag = static_cast<uint32_t>(transfer->id);
+  std::string payload(sizeof(tag), '\0');
+  wire::Writer(reinterpret_cast<uint8_t*>(payload.data())).put(tag);
+  send_control(*peer, wire::ControlType::kFence, payload);
+  std::unique_lock<std::mutex> lock(peer->reply_mutex);
+  const bool confirmed = peer->reply_cv.wait_until(lock, std::chrono::steady_clock::now() +
+                                                             std::chrono::nanoseconds(deadline - now_ns()),
+                                                   [&] { return peer->fences_confirmed.count(tag) || !peer->alive; });
+  if (!confirmed || !peer->fences_confirmed.erase(tag))
+    throw TransferError("transfer cancelled, but " + peer->info.address +
+                        " did not confirm that its chunks are fenced: bytes already sent may still land");
+}
 
-void Engine::finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
+void Engine::install_fence(uint64_t sender_engine_id, uint32_t transfer_tag) {
+  const FenceKey key{sender_engine_id, transfer_tag};
+  std::unique_lock<std::mutex> lock(fence_mutex_);
+  if (fenced_.insert(key).second) {
+    fence_order_.push_back(key);
+    if (fence_order_.size() > kMaxFences) {
+      fenced_.erase(fence_order_.front());
+      fence_order_.pop_front();
+    }
+  }
+  fence_cv_.wait_for(lock, std::chrono::duration<double>(options_.timeout_s),
+                     [&] { return closing_ || receiving_.count(key) == 0; });
+}
+
+bool Engine::begin_receive(uint64_t sender_engine_id, uint32_t transfer_tag) {
+  const FenceKey key{sender_engine_id, transfer_tag};
+  std::lock_guard<std::mutex> lock(fence_mutex_);
+  if (fenced_.count(key)) return false;
+  ++receiving_[key];
+  return true;
+}
+
+void Engine::end_receive(uint64_t sender_engine_id, uint32_t transfer_tag) {
+  {
+    std::lock_guard<std::mutex> lock(fence_mutex_);
+    auto it = receiving_.find({sender_engine_id, transfer_tag});
+    if (it != receiving_.end() && --it->second == 0) receiving_.erase(it);
+  }
+  fence_cv_.notify_all();
+}
+
+bool Engine::finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
                              PeerPtr peer) {
   {
     std::lock_guard<std::mutex> lock(transfers_mutex_);
@@ -535,22 +592,24 @@ void Engine::finish_transfer(const TransferPtr& transfer, TransferStatus status,
       active_.erase(it);
     }
   }
-  if (!peer) {
-    // A cancel or timeout that raced with the completion path.
-    std::lock_guard<std::mutex> lock(peers_mutex_);
-    auto it = peers_.find(transfer->peer_key);
-    if (it != peers_.end()) peer = it->second;
-  }
-  if (!transfer->finish(status, error)) return;
+  if (!peer) peer = find_peer(transfer->peer_key);  // a cancel or timeout that raced with the completion path
+  if (!transfer->finish(status, error)) return false;
   if (status != TransferStatus::kDone)
     for (auto& backend : backends_) backend->purge(*transfer);
   (status == TransferStatus::kDone ? transfers_done_
    : status == TransferStatus::kFailed ? transfers_failed_
                                         : transfers_cancelled_)++;
-  if (!peer) return;
+  if (!peer) return true;
   (status == TransferStatus::kDone ? peer->transfers_done : peer->transfers_failed)++;
   std::lock_guard<std::mutex> lock(peer->busy_mutex);
   if (--peer->active_transfers == 0) peer->busy_total_ns += now_ns() - peer->busy_since_ns;
+  return true;
+}
+
+PeerPtr Engine::find_peer(uint64_t peer_key) const {
+  std::lock_guard<std::mutex> lock(peers_mutex_);
+  auto it = peers_.find(peer_key);
+  return it == peers_.end() ? nullptr : it->second;
 }
 
 void Engine::pace(uint64_t bytes) {

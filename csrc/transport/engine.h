@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -48,6 +49,7 @@ struct Peer {
   std::condition_variable reply_cv;
   uint64_t region_lists_received = 0;  // under reply_mutex
   std::vector<wire::RegionEntry> region_list;
+  std::set<uint32_t> fences_confirmed;  // transfer tags the peer fenced; under reply_mutex
 
   std::atomic<uint64_t> bytes_sent{0}, chunks_sent{0}, retries{0}, transfers_done{0}, transfers_failed{0};
   std::atomic<int64_t> rtt_ns{0};
@@ -60,6 +62,15 @@ struct Peer {
 using PeerPtr = std::shared_ptr<Peer>;
 
 using StatsMap = std::map<std::string, double>;
+
+// A received priority-lane message or write notification.
+struct InboxEntry {
+  std::string sender;        // the sender engine's listen address (reachable: a wildcard host is
+                             // replaced by the address the connection came from)
+  uint64_t sender_engine_id; // from its hello, which the token's HMAC covers
+  std::string payload;
+  bool notification;         // the notify of a write whose every byte was applied, not a message
+};
 
 class Engine final : public BackendHost {
  public:
@@ -86,12 +97,16 @@ class Engine final : public BackendHost {
   // Closes the peer's connections and fails its transfers in flight.
   void disconnect(const PeerPtr& peer);
   TransferPtr write_batch(const PeerPtr& peer, const std::vector<WriteOp>& ops, std::optional<std::string> notify);
+  // Stops the transfer, then returns once the peer confirmed that none of its chunks will be
+  // written any more (a fence), so the destination can be reused at once; on a failed
+  // transfer, only the fence. Throws TransferError when the peer does not confirm within
+  // timeout_s. No-op once done.
   void cancel(const TransferPtr& transfer);
   // A priority-lane message: written at once on the peer's control connection.
   void send(const PeerPtr& peer, const std::string& message);
-  // Messages and notifications received since the last call: (sender address, payload).
-  // Waits up to timeout_s (0: not at all) for the first one when there is none.
-  std::vector<std::pair<std::string, std::string>> poll_messages(double timeout_s);
+  // Messages and notifications received since the last call, in arrival order. Waits up to
+  // timeout_s (0: not at all) for the first one when there is none.
+  std::vector<InboxEntry> poll_messages(double timeout_s);
   // The peer's registered regions (for adapters that address memory by pointer).
   std::vector<wire::RegionEntry> remote_regions(const PeerPtr& peer);
 
@@ -110,6 +125,8 @@ class Engine final : public BackendHost {
   Socket dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) override;
   RegionPtr find_region(uint64_t region_id) override;
   void chunk_received(uint64_t bytes, wire::AckStatus status) override;
+  bool begin_receive(uint64_t sender_engine_id, uint32_t transfer_tag) override;
+  void end_receive(uint64_t sender_engine_id, uint32_t transfer_tag) override;
 
  private:
   struct ActiveTransfer {
@@ -130,15 +147,19 @@ class Engine final : public BackendHost {
   // Serves an accepted connection on its own thread, or closes it when the caps are reached.
   void admit(Socket socket);
   void serve_connection(Connection* conn);
-  void serve_control(const Socket& s, const std::string& from);
+  void serve_control(const Socket& s, const std::string& from, uint64_t from_engine_id);
+  // Receiver: drops (sender, tag)'s chunks from now on; returns once none is being written.
+  void install_fence(uint64_t sender_engine_id, uint32_t transfer_tag);
   void read_control_replies(const PeerPtr& peer);
   void watchdog_loop();
   void send_control(Peer& peer, wire::ControlType type, const std::string& payload);
-  // Ends a transfer once: records stats, unpins, purges the backend's queues.
-  // `peer` is needed only once the transfer has left active_ (its completion path).
-  void finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
+  // Ends a transfer once: records stats, unpins, purges the backend's queues; false when it
+  // had ended already. `peer` is needed only once the transfer has left active_ (its
+  // completion path).
+  bool finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
                        PeerPtr peer = nullptr);
   void complete_transfer(ActiveTransfer active);
+  PeerPtr find_peer(uint64_t peer_key) const;
 
   EngineOptions options_;
   HandshakeConfig handshake_;
@@ -170,8 +191,18 @@ class Engine final : public BackendHost {
   std::mutex inbox_mutex_;
   std::condition_variable inbox_cv_;        // a message arrived (or closing)
   std::condition_variable inbox_space_cv_;  // poll_messages() made room (or closing)
-  std::deque<std::pair<std::string, std::string>> inbox_;
+  std::deque<InboxEntry> inbox_;
   uint64_t inbox_bytes_ = 0;
+
+  // Cancel fences held as a receiver, keyed by (sender engine id, transfer tag); the oldest
+  // are forgotten beyond kMaxFences (a fenced transfer's chunks arrive within moments).
+  using FenceKey = std::pair<uint64_t, uint32_t>;
+  static constexpr size_t kMaxFences = 1 << 16;
+  std::mutex fence_mutex_;
+  std::condition_variable fence_cv_;
+  std::map<FenceKey, int> receiving_;  // chunks being written now
+  std::set<FenceKey> fenced_;
+  std::deque<FenceKey> fence_order_;
 
   std::mutex pace_mutex_;
   std::condition_variable wake_;  // pacing sleeps and the watchdog; notified on close

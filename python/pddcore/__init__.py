@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, version as _version
 
 from .layout import KVLayout, PlaneInfo
 from .pack import get_num_threads, pack, set_num_threads, unpack
-from .transfer import Peer, Region, Transfer, TransferEngine, TransferError
+from .transfer import Message, Peer, Region, Transfer, TransferEngine, TransferError
 
 try:
     __version__ = _version("pddcore")
@@ -13,4 +13,4 @@ except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
 __all__ = ["KVLayout", "PlaneInfo", "pack", "unpack", "set_num_threads", "get_num_threads", "__version__",
-           "TransferEngine", "Region", "Peer", "Transfer", "TransferError"]
+           "TransferEngine", "Region", "Peer", "Transfer", "TransferError", "Message"]

@@ -26,7 +26,7 @@ Example::
         peer = p.connect(md.address)
         t = p.write(peer, src, 0, dst.descriptor(), 0, 1 << 20, notify=b"req-42")
         t.wait()                       # raises TransferError on failure
-        md.poll_messages()             # [(p.address, b"req-42")]
+        md.poll_messages()             # [Message(p.address, p.engine_id, b"req-42", notification=True)]
 
 RDMA: ``TransferEngine(backend="rdma", device=None, ib_port=1, gid_index=None)`` moves the
 same writes over reliable-connected ibverbs QPs (libibverbs is opened at run time; no
@@ -52,14 +52,14 @@ import ipaddress
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 import torch
 
 from . import _C
 
-__all__ = ["TransferEngine", "Region", "Peer", "Transfer", "TransferError", "RegionDescriptor"]
+__all__ = ["TransferEngine", "Region", "Peer", "Transfer", "TransferError", "RegionDescriptor", "Message"]
 
 TransferError = _C.TransferError
 TransferError.__doc__ = "A transfer, connection or handshake failed; the message names the cause."
@@ -126,6 +126,20 @@ def _buffer_address(obj: Any) -> tuple[int, int, Any]:
         raise ValueError("buffer must be C-contiguous")
     arr = np.frombuffer(view.cast("B"), dtype=np.uint8)  # holds the buffer export: no resize while registered
     return arr.ctypes.data, arr.nbytes, arr
+
+
+class Message(NamedTuple):
+    """A priority-lane message or a write notification (see :meth:`TransferEngine.poll_messages`)."""
+
+    sender: str
+    """The sender engine's listen address; ``connect()`` to it to answer."""
+    sender_engine_id: int
+    """The sender engine's id, from its hello (which the auth token's HMAC covers): compare
+    it with :attr:`Peer.engine_id` to know who sent this, whatever address it names."""
+    payload: bytes
+    notification: bool
+    """True for the ``notify`` of a write whose every byte was verified and applied here;
+    False for a message sent with :meth:`TransferEngine.send`."""
 
 
 class Region:
@@ -220,7 +234,11 @@ class Transfer:
         self.done()
 
     def cancel(self) -> None:
-        """Stops sending and releases the transfer's chunks; no-op once finished."""
+        """Stops sending, then returns once the peer confirmed that no chunk of this transfer
+        will be written any more (chunks it applied before stay): the destination range can be
+        reused at once. On a failed transfer it only waits for that fence; no-op once done.
+        Raises TransferError if the peer does not confirm within ``timeout_s`` (it is gone or
+        frozen: bytes already sent might still land)."""
         self._engine._core.cancel(self._handle)
 
     def __repr__(self) -> str:
@@ -436,11 +454,11 @@ class TransferEngine:
             raise TypeError(f"message must be bytes, got {type(message).__name__}")
         self._core.send(peer._handle, bytes(message))
 
-    def poll_messages(self, timeout: float = 0.0) -> list[tuple[str, bytes]]:
+    def poll_messages(self, timeout: float = 0.0) -> list[Message]:
         """Messages and write notifications received since the last call, in arrival order,
-        as ``(sender address, payload)``; the sender address can be passed to connect().
-        When there are none, waits up to ``timeout`` seconds (GIL released) for the first."""
-        return self._core.poll_messages(float(timeout))
+        as :class:`Message` ``(sender, sender_engine_id, payload, notification)``. When there
+        are none, waits up to ``timeout`` seconds (GIL released) for the first."""
+        return [Message(*m) for m in self._core.poll_messages(float(timeout))]
 
     def remote_regions(self, peer: Peer) -> list[tuple[int, int, int]]:
         """The peer's write targets as ``(region_id, base_address, nbytes)`` (its sources are

@@ -161,6 +161,10 @@ class BackendHost {
   // Receiver side. Null when no region has this id.
   virtual RegionPtr find_region(uint64_t region_id) = 0;
   virtual void chunk_received(uint64_t bytes, wire::AckStatus status) = 0;
+  // Receiver side of cancel fences: a chunk of (sender engine, transfer tag) is about to be
+  // written (false: that transfer is fenced, drop the chunk), and is done being written.
+  virtual bool begin_receive(uint64_t sender_engine_id, uint32_t transfer_tag) = 0;
+  virtual void end_receive(uint64_t sender_engine_id, uint32_t transfer_tag) = 0;
 };
 
 class TransferBackend {
@@ -183,6 +187,10 @@ class TransferBackend {
   virtual void post(uint64_t peer_key, std::vector<WriteChunk> chunks) = 0;
   // Drops every queued and unacknowledged chunk of a finished transfer, unpinning its regions.
   virtual void purge(const TransferState& transfer) = 0;
+  // After purge on cancel: returns once nothing of the transfer can still reach the peer
+  // from this side (RDMA: its posted WRs completed), or at deadline_ns. The receiver's fence
+  // covers what is already on the wire.
+  virtual void drain(const TransferState& /*transfer*/, int64_t /*deadline_ns*/) {}
 
   // An authenticated data connection accepted on the engine's port: serves it on the
   // calling thread until it closes. The core owns the socket and shuts it down on close.

@@ -16,7 +16,7 @@
 
 namespace pddcore::wire {
 
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;  // 2: chunks carry their transfer's tag (cancel fences)
 constexpr uint32_t kHelloMagic = 0x48444450;    // "PDDH"
 constexpr uint32_t kChunkMagic = 0x43444450;    // "PDDC"
 constexpr uint32_t kAckMagic = 0x41444450;      // "PDDA"
@@ -50,6 +50,7 @@ enum class AckStatus : uint8_t {
   kBadHeader = 4,      // bad magic, version or header CRC: the connection is closed
   kTooLarge = 5,       // length above kMaxChunkBytes: the connection is closed
   kNotATarget = 6,     // the region was registered as a source: no peer may write into it
+  kFenced = 7,         // a chunk of a transfer its sender cancelled: dropped unwritten
 };
 
 enum class ControlType : uint8_t {
@@ -59,6 +60,8 @@ enum class ControlType : uint8_t {
   kPong = 4,
   kRegionQuery = 5,  // asks for the server's registered regions
   kRegionList = 6,   // reply: RegionEntry[]
+  kFence = 7,        // payload: u32 transfer tag the client cancelled; drop its chunks from now on
+  kFenceAck = 8,     // reply, same payload: fenced, and no chunk of it is being written any more
 };
 
 inline const char* to_string(AckStatus s) {
@@ -70,6 +73,7 @@ inline const char* to_string(AckStatus s) {
     case AckStatus::kBadHeader: return "malformed chunk header";
     case AckStatus::kTooLarge: return "chunk larger than the protocol limit";
     case AckStatus::kNotATarget: return "destination region is registered as a source, not as a write target";
+    case AckStatus::kFenced: return "chunk of a cancelled transfer";
   }
   return "unknown status";
 }
@@ -212,7 +216,7 @@ struct ChunkHeader {
   static constexpr uint16_t kCrcTrailer = 1;
   static constexpr size_t kTrailerSize = 4;
   static constexpr size_t kSize = 48;
-  static constexpr size_t kCrcCovered = 40;
+  static constexpr size_t kCrcCovered = 44;
   uint16_t version = kVersion;
   uint16_t flags = 0;
   uint64_t seq = 0;  // sender-chosen, echoed in the Ack
@@ -220,11 +224,12 @@ struct ChunkHeader {
   uint64_t offset = 0;
   uint32_t length = 0;
   uint32_t payload_crc = 0;
+  uint32_t transfer_tag = 0;  // the sender's transfer id (low 32 bits): what a cancel fences
 
   void encode(uint8_t* out) const {
     Writer w(out);
     w.put(kChunkMagic).put(version).put(flags).put(seq).put(region_id).put(offset).put(length).put(payload_crc);
-    w.put(crc32c(out, kCrcCovered)).put(uint32_t{0});
+    w.put(transfer_tag).put(crc32c(out, kCrcCovered));
   }
   // kOk, kBadHeader (magic, version or header CRC) or kTooLarge.
   AckStatus decode(const uint8_t* in) {
@@ -237,6 +242,7 @@ struct ChunkHeader {
     offset = r.get<uint64_t>();
     length = r.get<uint32_t>();
     payload_crc = r.get<uint32_t>();
+    transfer_tag = r.get<uint32_t>();
     const uint32_t header_crc = r.get<uint32_t>();
     if (magic != kChunkMagic || version != kVersion || header_crc != crc32c(in, kCrcCovered) ||
         (flags & ~kCrcTrailer) != 0)
@@ -258,7 +264,7 @@ struct Ack {
     Reader r(in);
     if (r.get<uint32_t>() != kAckMagic) return false;
     const uint8_t s = r.get<uint8_t>();
-    if (s > static_cast<uint8_t>(AckStatus::kNotATarget)) return false;
+    if (s > static_cast<uint8_t>(AckStatus::kFenced)) return false;
     status = static_cast<AckStatus>(s);
     r.get<uint8_t>();
     r.get<uint16_t>();
@@ -281,7 +287,7 @@ struct ControlHeader {
     Reader r(in);
     if (r.get<uint32_t>() != kControlMagic) return false;
     const uint8_t t = r.get<uint8_t>();
-    if (t < static_cast<uint8_t>(ControlType::kMessage) || t > static_cast<uint8_t>(ControlType::kRegionList))
+    if (t < static_cast<uint8_t>(ControlType::kMessage) || t > static_cast<uint8_t>(ControlType::kFenceAck))
       return false;
     type = static_cast<ControlType>(t);
     r.get<uint8_t>();

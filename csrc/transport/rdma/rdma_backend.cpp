@@ -484,6 +484,23 @@ void RdmaBackend::purge(const TransferState& transfer) {
   }
 }
 
+void RdmaBackend::drain(const transfer::TransferState& transfer, int64_t deadline_ns) {
+  // Posted WRs cannot be recalled: once every one of the transfer's has retired (completed
+  // or flushed), nothing more of it reaches the peer. The progress thread retires them.
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = links_.find(transfer.peer_key);
+      bool outstanding = false;
+      if (it != links_.end())
+        for (auto& ep : it->second->endpoints)
+          for (const Posted& p : ep->posted) outstanding = outstanding || p.chunk.transfer.get() == &transfer;
+      if (!outstanding || closed_ || transfer::now_ns() > deadline_ns) return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 void RdmaBackend::seal_locked(Endpoint& ep) {
   if (ep.tail_signaled || ep.posted.empty() || !ep.broken.empty()) return;
   ibv_send_wr wr{};

@@ -51,6 +51,7 @@ class RdmaBackend final : public transfer::TransferBackend {
   void disconnect(uint64_t peer_key) override;
   void post(uint64_t peer_key, std::vector<transfer::WriteChunk> chunks) override;
   void purge(const transfer::TransferState& transfer) override;
+  void drain(const transfer::TransferState& transfer, int64_t deadline_ns) override;
   void serve(const transfer::Socket& socket, const transfer::PeerInfo& from) override;
   void close() override;
   // Moves one of the peer's QPs to the error state, as a fabric fault would.

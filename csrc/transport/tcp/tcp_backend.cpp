@@ -68,6 +68,20 @@ std::string describe(const WriteChunk& c) {
          std::to_string(c.length);
 }
 
+// Holds a chunk's place in its transfer's fence while the chunk is written.
+class ReceiveGuard {
+ public:
+  ReceiveGuard(BackendHost& host, uint64_t sender, uint32_t tag) : host_(host), sender_(sender), tag_(tag) {}
+  ~ReceiveGuard() { host_.end_receive(sender_, tag_); }
+  ReceiveGuard(const ReceiveGuard&) = delete;
+  ReceiveGuard& operator=(const ReceiveGuard&) = delete;
+
+ private:
+  BackendHost& host_;
+  uint64_t sender_;
+  uint32_t tag_;
+};
+
 }  // namespace
 
 TcpBackend::TcpBackend(BackendHost& host)
@@ -325,6 +339,7 @@ void TcpBackend::send_chunks(const Socket& socket, const std::vector<Outgoing>& 
     header.region_id = chunk.dst_region;
     header.offset = chunk.dst_offset;
     header.length = chunk.length;
+    header.transfer_tag = static_cast<uint32_t>(chunk.transfer->id);
     const bool trailer = chunk.length > kCrcPiece;
     if (trailer)
       header.flags = wire::ChunkHeader::kCrcTrailer;
@@ -429,6 +444,7 @@ bool TcpBackend::settle(Link& link, wire::AckStatus status, std::optional<WriteC
     case wire::AckStatus::kUnknownRegion:
     case wire::AckStatus::kOutOfBounds:
     case wire::AckStatus::kNotATarget:
+    case wire::AckStatus::kFenced:  // its transfer was cancelled here: already finished
       if (chunk) host_.transfer_failed(chunk->transfer, "peer rejected a chunk: " + reason + " (" + describe(*chunk) + ")");
       break;
     case wire::AckStatus::kBadHeader:
@@ -521,7 +537,7 @@ void TcpBackend::add_peer_stats(uint64_t peer_key, std::map<std::string, double>
 
 // ---- receiver --------------------------------------------------------------
 
-void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
+void TcpBackend::serve(const Socket& socket, const PeerInfo& from) {
   socket.set_timeouts(host_.options().timeout_s, host_.options().timeout_s);
   std::vector<uint8_t> scratch;
   AckBatch acks(socket);
@@ -551,6 +567,8 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
       status = wire::AckStatus::kNotATarget;
     else if (header.offset > region->size || header.length > region->size - header.offset)
       status = wire::AckStatus::kOutOfBounds;
+    else if (!host_.begin_receive(from.engine_id, header.transfer_tag))
+      status = wire::AckStatus::kFenced;
     const bool trailer = (header.flags & wire::ChunkHeader::kCrcTrailer) != 0;
     if (status != wire::AckStatus::kOk) {
       region.reset();
@@ -563,6 +581,7 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo&) {
     } else {
       // Straight into the destination; a chunk becomes visible as "applied" only through
       // its ack after the CRC matched, and a transfer only once every chunk was acked.
+      const ReceiveGuard fence_hold(host_, from.engine_id, header.transfer_tag);
       uint8_t* dst = region->base + header.offset;
       const size_t trailer_size = trailer ? wire::ChunkHeader::kTrailerSize : 0;
       uint8_t after[wire::ChunkHeader::kTrailerSize + wire::ChunkHeader::kSize];  // trailer, next header

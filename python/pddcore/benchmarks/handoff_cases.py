@@ -109,7 +109,7 @@ def main_decode(config_name: str, prefix_len: int, tokens: int, info_path: str, 
         write_info(info_path, f"{kv_region.descriptor().hex()} {bulk_region.descriptor().hex()}")
         rld = None
         while not os.path.exists(exit_path):
-            for sender, message in engine.poll_messages(timeout=0.2):
+            for sender, _, message, _ in engine.poll_messages(timeout=0.2):
                 seen = time.monotonic()
                 if message == b"hello":
                     rld = engine.connect(sender)
@@ -217,7 +217,7 @@ def relay_decode(config_name: str, prefix_len: int, tokens: int, trials: int, in
 def _await(engine, expected: bytes, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(m == expected for _, m in engine.poll_messages(timeout=1.0)):
+        if any(m.payload == expected for m in engine.poll_messages(timeout=1.0)):
             return
     raise TimeoutError(f"MD did not answer {expected!r} within {timeout:.0f} s")
 

@@ -65,7 +65,7 @@ def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp") 
         region = engine.register(bytearray(nbytes), target=True)
         write_info(info_path, region.descriptor().hex())
         while True:
-            for _, message in engine.poll_messages(timeout=1.0):
+            for message in (m.payload for m in engine.poll_messages(timeout=1.0)):
                 now = time.monotonic()
                 if message == b"exit":
                     return probes

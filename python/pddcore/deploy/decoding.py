@@ -85,8 +85,8 @@ class DecodeRole:
     """The event loop RLD and MD share: the front's messages, then the priority lane
     (without blocking while requests are decoding), then one decode step.
 
-    Subclasses provide ``node``, ``loop``, ``handle_front(msg)``, ``handle_lane(payload)``
-    and ``decode()``.
+    Subclasses provide ``node``, ``loop``, ``handle_front(msg)``, ``handle_lane(message)``
+    (a :class:`pddcore.transfer.Message`) and ``decode()``.
     """
 
     def serve(self) -> None:
@@ -94,6 +94,6 @@ class DecodeRole:
             for msg in self.node.hub_messages():
                 self.handle_front(msg)
             busy = bool(self.loop.running)
-            for _, payload in self.node.engine.poll_messages(0 if busy else 0.005):
-                self.handle_lane(payload)
+            for message in self.node.engine.poll_messages(0 if busy else 0.005):
+                self.handle_lane(message)
             self.decode()

@@ -22,7 +22,7 @@ import torch
 
 from ..handoff import Handoff, HandoffAssembler, HandoffError
 from ..radix import RadixCache, RadixNode
-from ..transfer import Peer, TransferError
+from ..transfer import Message, Peer, TransferError
 from . import wire
 from .decoding import DecodeLoop, DecodeRole, Running, land_kv
 from .node import Node, cache_sequence, cached_prefix, with_room
@@ -97,8 +97,8 @@ class MainDecode(DecodeRole):
         self.contexts.pop(rid, None)
 
     # ---- lanes --------------------------------------------------------------------------
-    def handle_lane(self, payload: bytes) -> None:
-        kind, body = wire.parse(payload)
+    def handle_lane(self, message: Message) -> None:
+        kind, body = wire.parse(message)
         if kind == "kv":
             self.land(body)
         elif kind == "handoff":

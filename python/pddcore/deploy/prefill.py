@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,8 +32,6 @@ from .node import Node, cache_sequence, cached_prefix, with_room
 from .staging import RangeAllocator
 
 __all__ = ["serve"]
-
-_QUARANTINE_S = 10.0  # a cancelled write may still land chunks: keep its staging range unused this long
 
 
 @dataclass
@@ -53,7 +51,6 @@ class _Target:
     peer: Peer
     descriptor: bytes
     ranges: RangeAllocator
-    quarantine: deque = field(default_factory=deque)  # (release time, offset)
 
 
 class Prefill:
@@ -97,7 +94,7 @@ class Prefill:
             self.targets.pop("md", None)
             for s in self.sends:
                 if s.target == "md":
-                    s.transfer.cancel()
+                    self.fence(s)
 
     # ---- prefill ----------------------------------------------------------------------
     def run_job(self, job: dict) -> None:
@@ -135,10 +132,10 @@ class Prefill:
         try:
             transfer = self.node.engine.write(target.peer, self.send_region, src, target.descriptor, dst, nbytes,
                                               notify=wire.encode_kv(note))
-        except TransferError as e:
+        except TransferError as e:  # refused before a byte was sent
             self.node.log.warning("write of %s to %s refused: %s", rid, name, e)
             self.send_ranges.free(src)
-            target.quarantine.append((now + _QUARANTINE_S, dst))
+            target.ranges.free(dst)
             self.node.to_hub("xfer", rid, name, "failed", 0, {})
             return
         deadline = now + self.md_timeout_s if name == "md" and self.md_timeout_s else None
@@ -160,26 +157,33 @@ class Prefill:
 
     def poll_sends(self) -> None:
         now = time.perf_counter()
-        for target in self.targets.values():
-            while target.quarantine and target.quarantine[0][0] <= now:
-                target.ranges.free(target.quarantine.popleft()[1])
         still = []
         for s in self.sends:
             status = s.transfer.status
             if status == "pending" and s.deadline is not None and now > s.deadline:
-                s.transfer.cancel()
-                self.finish(s, "timeout", now)
+                self.finish(s, "timeout")
             elif status == "pending":
                 still.append(s)
             else:
-                self.finish(s, status, now)
+                self.finish(s, status)
         self.sends = still
 
-    def finish(self, s: _Send, status: str, now: float) -> None:
+    def fence(self, s: _Send) -> bool:
+        """Cancels ``s`` (a failed one too) and waits for the receiver's fence: afterwards no
+        byte of it lands. False when the receiver could not confirm (it is gone or frozen)."""
+        try:
+            s.transfer.cancel()
+            return True
+        except TransferError as e:
+            self.node.log.warning("transfer of %s to %s not fenced: %s", s.rid, s.target, e)
+            return False
+
+    def finish(self, s: _Send, status: str) -> None:
         self.send_ranges.free(s.src_offset)
-        if status != "done" and s.target in self.targets:
-            # the receiver never saw the notification, so its range comes back here
-            self.targets[s.target].quarantine.append((now + _QUARANTINE_S, s.dst_offset))
+        if status != "done" and s.target in self.targets and self.fence(s):
+            # the receiver never saw the notification, so its range comes back here; an
+            # unfenced one stays taken (nothing may reuse bytes a late chunk could still hit)
+            self.targets[s.target].ranges.free(s.dst_offset)
         sent = s.nbytes if status == "done" else s.transfer.bytes_acked
         target = self.targets.get(s.target)
         link = self.node.engine.stats()["peers"].get(target.peer.address, {}) if target else {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..handoff import FINAL, Handoff, HandoffMode, HandoffPolicy, HandoffState, SamplerState
-from ..transfer import Peer, TransferError
+from ..transfer import Message, Peer, TransferError
 from . import wire
 from .decoding import DecodeLoop, DecodeRole, Running, land_kv
 from .node import Node
@@ -62,8 +62,8 @@ class RelayDecode(DecodeRole):
             self.relays.clear()
             self.unconfirmed.clear()
 
-    def handle_lane(self, payload: bytes) -> None:
-        kind, body = wire.parse(payload)
+    def handle_lane(self, message: Message) -> None:
+        kind, body = wire.parse(message)
         if kind == "kv":
             self.admit(body)
         elif kind == "ready":
@@ -78,7 +78,8 @@ class RelayDecode(DecodeRole):
                 for data in messages:
                     self.send_md(data)
         else:
-            self.node.log.warning("ignored a message that is no RLD message (%d bytes)", len(payload))
+            self.node.log.warning("ignored a message that is no RLD message (%s, %d bytes)", kind,
+                                  len(message.payload))
 
     def admit(self, note: wire.KvReady) -> None:
         pool = self.node.pool

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from ..transfer import Message
+
 __all__ = ["KvReady", "encode_kv", "encode_ready", "encode_nack", "parse"]
 
 _KV, _READY, _NACK = b"PKV1", b"PRDY", b"PNAK"
@@ -53,11 +55,16 @@ def encode_nack(reason: str) -> bytes:
     return _NACK + reason.encode()
 
 
-def parse(payload: bytes) -> tuple[str, object]:
-    """("kv", KvReady) | ("ready", rid) | ("nack", reason) | ("handoff", raw bytes): anything
-    without a known tag is treated as a handoff and left to its own decoder to judge."""
+def parse(message: Message) -> tuple[str, object]:
+    """("kv", KvReady) | ("ready", rid) | ("nack", reason) | ("handoff", raw bytes) |
+    ("forged", reason): anything without a known tag is treated as a handoff and left to its
+    own decoder to judge. A KV-ready counts only as the notification of the write that
+    carried the KV: sent as a plain message it claims bytes that never landed."""
+    payload = message.payload
     tag, body = payload[:4], payload[4:]
     if tag == _KV:
+        if not message.notification:
+            return "forged", f"a KV-ready from {message.sender} that is no write notification"
         return "kv", KvReady(**json.loads(body))
     if tag == _READY:
         return "ready", body.decode()

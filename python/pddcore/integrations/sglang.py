@@ -479,7 +479,7 @@ class PDDKVManager(BaseKVManager):
                 if not self._stop.is_set():
                     log.error("pddcore: message pump stopped, the engine failed: %s", exc)
                 return
-            for sender_address, payload in messages:
+            for sender_address, _, payload, _ in messages:
                 room = None
                 try:
                     msg = _parse(payload)

@@ -69,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..layout import KVLayout
 from ..pack import pack, unpack
-from ..transfer import Peer, Transfer, TransferEngine
+from ..transfer import Message, Peer, Transfer, TransferEngine
 from ._heads import destinations_of, head_sources
 from ._staging import StagingBuffer, StagingPool
 
@@ -552,32 +552,55 @@ class PDDConnector(KVConnectorBase_V1):
     # -- both ------------------------------------------------------------------------
     def _pump(self) -> None:
         """Acts on every message received; a bad one fails only the request it names."""
-        for sender, payload in self.engine.poll_messages():
+        for message in self.engine.poll_messages():
             try:
-                self._on_message(sender, _decode(payload))
+                self._on_message(message, _decode(message.payload))
             except _BadMessage as exc:
-                log.warning("PDDConnector: dropped a message from %s: %s", sender, exc)
-                self._fail_named_load(payload, f"malformed message from {sender}: {exc}")
+                log.warning("PDDConnector: dropped a message from %s: %s", message.sender, exc)
+                self._fail_named_load(message.payload, f"malformed message from {message.sender}: {exc}")
 
-    def _on_message(self, sender: str, msg: dict) -> None:
+    def _on_message(self, message: Message, msg: dict) -> None:
         kind, req = msg["k"], msg["req"]
         if kind == "pull":
-            self._on_pull(msg)
+            self._on_pull(message, msg)
         elif kind == "drop" and req in self._staged and req not in self._serving:
             self._drop_send(req)
             self._finished_sending.add(req)
         elif kind == "done" and req in self._pending_loads:
-            pending = self._pending_loads[req]
-            if msg["src"] not in {seg.src_rank for seg in pending.segments}:
-                raise _BadMessage(f"done for {req} from rank {msg['src']}, which was not asked")
-            pending.done_sources.add(msg["src"])
-            if len(pending.done_sources) == len(pending.segments):
-                self._finish_load(pending)
+            self._on_done(message, msg)
         elif kind == "fail" and req in self._pending_loads:
+            pending = self._pending_loads[req]
+            if not any(self._sent_by(message, seg) for seg in pending.segments):
+                log.warning("PDDConnector: ignored a 'fail' for %s from %s, which it did not pull from", req,
+                            message.sender)
+                return
             log.warning("PDDConnector: load of %s failed: %s", req, msg["reason"])
-            self._fail_load(req, self._pending_loads[req].block_ids)
+            self._fail_load(req, pending.block_ids)
 
-    def _on_pull(self, msg: dict) -> None:
+    def _sent_by(self, message: Message, seg: "_Segment") -> bool:
+        """Whether ``message`` comes from the producer engine that ``seg`` is pulled from."""
+        return message.sender_engine_id == self._peer(seg.address).engine_id
+
+    def _on_done(self, message: Message, msg: dict) -> None:
+        """Data applied: believed only as the write notification of the producer rank asked."""
+        req = msg["req"]
+        pending = self._pending_loads[req]
+        seg = next((s for s in pending.segments if s.src_rank == msg["src"]), None)
+        if seg is None:
+            raise _BadMessage(f"done for {req} from rank {msg['src']}, which was not asked")
+        if not message.notification or not self._sent_by(message, seg):
+            log.warning("PDDConnector: ignored a 'done' for %s from %s: not the write notification of rank %d",
+                        req, message.sender, seg.src_rank)
+            return
+        pending.done_sources.add(seg.src_rank)
+        if len(pending.done_sources) == len(pending.segments):
+            self._finish_load(pending)
+
+    def _on_pull(self, message: Message, msg: dict) -> None:
+        # Answers and KV go only to the engine that sent the pull: its reply address must lead
+        # there, and the write into its staging region is checked against that engine's id.
+        if self._peer(msg["reply"]).engine_id != message.sender_engine_id:
+            raise _BadMessage(f"pull from {message.sender} names another engine ({msg['reply']}) to answer")
         req = msg["req"]
         staged = self._staged.get(req)
         if staged is None:
