@@ -458,6 +458,30 @@ def test_malformed_messages_fail_only_the_room_they_name(pair):
     assert torch.equal(got[:, [4, 8]], pair.pages()[:, [2, 6]])
 
 
+def test_forged_chunk_notice_is_ignored(pair):
+    """A well-formed "last chunk" notice for a live room from an engine that is not the room's
+    prefill rank does not complete it: the receiver waits for the real chunk, whose bytes land."""
+    sender, receiver = pair.start(41)
+    receiver.send_metadata(np.array([3, 7], dtype=np.int32), aux_index=1)
+    _wait(lambda: sender.poll() != KVPoll.Bootstrapping)
+    before = torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)[:, [3, 7]].clone()
+    seen = pair.decode.engine.stats()["messages_received"]
+    with TransferEngine(listen="127.0.0.1:0") as rogue:
+        rogue.send(rogue.connect(pair.decode.engine.address), pdd._encode("chunk", room=41, src=0, idx=0, last=True))
+        _wait(lambda: pair.decode.engine.stats()["messages_received"] > seen)
+        time.sleep(0.2)  # the pump has acted on it
+        assert receiver.poll() == KVPoll.Transferring
+        assert torch.equal(torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)[:, [3, 7]], before)
+    sender.init(2, aux_index=0)
+    sender.send(np.array([5, 9], dtype=np.int32))
+    _wait(lambda: sender.poll() in TERMINAL and receiver.poll() in TERMINAL)
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    got = torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)
+    assert torch.equal(got[:, [3, 7]], pair.pages()[:, [5, 9]])
+    sender.clear()
+    receiver.clear()
+
+
 def test_state_indices_fail_the_request_instead_of_raising(pair):
     sender, receiver = pair.start(41)
     receiver.send_metadata(np.array([1], dtype=np.int32), state_indices=[[3]])  # a Mamba slot, say

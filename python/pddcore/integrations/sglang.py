@@ -71,7 +71,7 @@ from sglang.srt.utils.network import NetworkAddress, get_local_ip_auto
 
 from ..layout import KVLayout
 from ..pack import pack, unpack
-from ..transfer import Peer, Region, Transfer, TransferEngine
+from ..transfer import Message, Peer, Region, Transfer, TransferEngine
 from ._heads import destinations_of, head_sources
 from ._staging import StagingBuffer, StagingPool
 
@@ -479,26 +479,40 @@ class PDDKVManager(BaseKVManager):
                 if not self._stop.is_set():
                     log.error("pddcore: message pump stopped, the engine failed: %s", exc)
                 return
-            for sender_address, _, payload, _ in messages:
+            for message in messages:
                 room = None
                 try:
-                    msg = _parse(payload)
+                    msg = _parse(message.payload)
                     room = msg["room"]
-                    self._dispatch(sender_address, msg)
+                    self._dispatch(message, msg)
                 except Exception as exc:  # one bad message must not stop every later transfer
                     room = getattr(exc, "room", room)
-                    log.warning("pddcore: dropped a message from %s (room %s): %s", sender_address, room, exc)
+                    log.warning("pddcore: dropped a message from %s (room %s): %s", message.sender, room, exc)
                     if room is not None:
-                        self._fail_room(room, f"bad message from {sender_address}: {exc}")
+                        self._fail_room(room, f"bad message from {message.sender}: {exc}")
 
-    def _dispatch(self, sender_address: str, msg: dict) -> None:
-        room, kind = msg["room"], msg["k"]
+    def _sent_by(self, message: Message, address: str) -> bool:
+        """Whether ``message`` comes from the engine listening at ``address``."""
+        return message.sender_engine_id == self.peer(address).engine_id
+
+    def _dispatch(self, message: Message, msg: dict) -> None:
+        room, kind, sender_address = msg["room"], msg["k"], message.sender
         box = self.inbox(room)
         if kind == "reg":
+            # KV is written only to the engine that registered: its address must lead back to it.
+            if not self._sent_by(message, sender_address):
+                raise ValueError(f"registration names {sender_address}, which is not the engine that sent it")
             box.registrations.append(_Registration.from_message(sender_address, msg))
         elif kind == "fail":
             box.failure = box.failure or f"peer {sender_address}: {msg['reason']}"
         else:  # "chunk": _parse admits no other kind
+            with self._lock:
+                receiver = self._receivers.get(room)
+            source = receiver._addresses.get(msg["src"]) if receiver is not None else None
+            if source is None or not self._sent_by(message, source):
+                log.warning("pddcore: ignored a chunk notice for room %s from %s: not prefill rank %s of that room",
+                            room, sender_address, msg["src"])
+                return
             box.chunks.setdefault(msg["src"], set()).add(msg["idx"])
             if msg["last"]:
                 box.last_chunk[msg["src"]] = msg["idx"]
