@@ -1,11 +1,13 @@
-"""Tests of pddcore.sim: cost model, links and decode against plain reference models,
-cluster invariants, a small calibration regression, traces and the CLI."""
+"""Tests of pddcore.sim: cost model, links, decode and prefix caches against plain
+reference models, cluster invariants, the pinned calibration table, traces and the CLI."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
+from collections import OrderedDict
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -19,9 +21,11 @@ from pddcore.sim.cluster import Pool
 from pddcore.sim.costmodel import prefill_flops
 from pddcore.sim.economics import Prices
 from pddcore.sim.engine import EventLoop
-from pddcore.sim.instances import DecodeInstance, KVPool
+from pddcore.sim.calibration import comparison_rows
+from pddcore.sim.instances import DecodeInstance, KVPool, PrefillInstance
 from pddcore.sim.links import SharedLink
-from pddcore.sim.scenarios import calibration_trace
+from pddcore.sim.scenarios import CALIBRATION_WORKLOAD, REPORT, calibration_trace
+from pddcore.sim.sensitivity import Variation, format_sensitivity, sensitivity
 from pddcore.sim.sweeps import plot, rld_count
 
 MOE = MODELS["moe-64k"]
@@ -206,6 +210,51 @@ def test_kv_pool_waits_in_order_and_rejects_oversize():
         pool.reserve("d", 101, granted.append)
 
 
+def test_prefill_cache_matches_a_session_lru_reference():
+    """Disjoint sessions of equal length in a P cache that holds exactly three: the radix
+    cache's page LRU hits exactly when a whole-session LRU does, and each prefill takes
+    the cost model's time for the tokens it recomputes."""
+    pt, pages = 64, 10
+    loop = EventLoop()
+    cost = CostModel(MOE, HARDWARE["H100"])
+    p = PrefillInstance(loop, cost, "P", cache_tokens=3 * pages * pt, page_tokens=pt)
+    rng, lru, done = random.Random(7), OrderedDict(), []
+    prompt = pages * pt
+    for _ in range(300):
+        s = rng.randrange(5)
+        expected = prompt if s in lru else 0
+        start = loop.now
+        hit = p.submit(tuple(range(s * 100, s * 100 + pages)), prompt, 0, lambda: done.append(loop.now))
+        loop.run()
+        assert hit == expected
+        assert done[-1] - start == pytest.approx(cost.prefill_seconds(prompt - hit, hit), rel=1e-12)
+        lru[s] = True
+        lru.move_to_end(s)
+        if len(lru) > 3:
+            lru.popitem(last=False)
+    assert p.hit_tokens((7777,), trace_cached=5) == 0 and p.hit_tokens(None, trace_cached=5) == 5
+
+
+def test_prefill_cache_size_sets_the_hit_rate():
+    """Unbounded: P hits what the trace says. Bounded: never more, and less when smaller.
+    P's busy time is the cost model's prefill time for what each request recomputed."""
+    trace = _stress_trace(n=300, seed=3)
+    by_ratio = {}
+    for ratio in (None, 3.0, 0.25):
+        cfg = calibration_configs(prefill_cache_ratio=ratio)["same-DC PD"]
+        run = ClusterSim(cfg).run(trace)
+        check_accounting(run)
+        cost = cfg.cost_model(cfg.prefill)
+        expected_busy = sum(cost.prefill_seconds(j.req.prompt_tokens - j.p_hit_tokens, j.p_hit_tokens)
+                            for j in run.jobs)
+        assert sum(v for k, v in run.instance_busy.items() if k.startswith("P")) == pytest.approx(expected_busy)
+        assert all(j.p_hit_tokens <= j.req.cached_tokens for j in run.jobs)
+        by_ratio[ratio] = summarize(run)
+    assert by_ratio[None]["p_hit_rate"] == by_ratio[None]["trace_hit_rate"]
+    assert by_ratio[0.25]["p_hit_rate"] < by_ratio[3.0]["p_hit_rate"] - 0.2
+    assert by_ratio[0.25]["ttft_p90_s"] > by_ratio[None]["ttft_p90_s"]
+
+
 # ---- cluster invariants ---------------------------------------------------------------------------
 
 def _stress_trace(n=400, seed=5, rate=12.0):
@@ -240,7 +289,8 @@ def test_every_request_and_token_accounted_for(stressed_runs):
     assert runs["same-DC PD"].wan_bytes == 0
 
 
-@pytest.mark.parametrize("changes", [{"drc": False}, {"warm_start": False}, {"max_batch": 2}])
+@pytest.mark.parametrize("changes", [{"drc": False}, {"warm_start": False}, {"max_batch": 2},
+                                     {"prefill_cache_ratio": None}])
 def test_variants_account_for_everything(changes):
     trace = _stress_trace(n=200, seed=6)
     for name, cfg in calibration_configs(wan_gbps=10.0, **changes).items():
@@ -255,7 +305,7 @@ def test_decode_side_cache_cuts_wan_bytes():
     with_drc = run_trace(calibration_configs(wan_gbps=100.0)["cross-DC PD"], trace)
     without = run_trace(calibration_configs(wan_gbps=100.0, drc=False)["cross-DC PD"], trace)
     assert with_drc["wan_gb"] < 0.3 * without["wan_gb"]
-    assert with_drc["md_hit_rate"] == pytest.approx(with_drc["p_hit_rate"], abs=0.03)
+    assert with_drc["md_hit_rate"] == pytest.approx(with_drc["trace_hit_rate"], abs=0.03)
 
 
 def test_md_serves_alone_when_ready_before_rld_has_room():
@@ -287,7 +337,7 @@ def test_accounting_check_catches_a_lost_token(stressed_runs):
 def test_more_wan_bandwidth_never_raises_cross_dc_ttft():
     trace = _stress_trace(n=300, seed=2)
     previous = None
-    for gbps in (6, 8, 12, 16, 25, 50, 100, 400):
+    for gbps in (6, 9, 12.5, 25, 400):
         s = run_trace(calibration_configs(wan_gbps=float(gbps))["cross-DC PD"], trace)
         current = [s["ttft_p50_s"], s["ttft_p90_s"], s["ttft_p99_s"]]
         if previous is not None:
@@ -304,22 +354,50 @@ def test_pdd_p90_never_above_cross_dc(seed, gbps, rate):
     assert pdd["ttft_p90_s"] <= cross["ttft_p90_s"]
 
 
-def test_calibration_regression():
-    """Bands around the calibration scenario (1500 requests, the WAN ~85 % busy), not exact values."""
-    trace = calibration_trace(1500)
+# The calibrated table at the default 2000 requests (`pddcore sim`, docs/simulator.md).
+# The run is deterministic; the 3 % tolerance only absorbs floating-point and library
+# differences, so any change to the model shows up here and the docs must follow.
+PINNED_AT_REPORT_LOAD = {
+    "same-DC PD": {"ttft_p90_s": 1.80, "ttft_p99_s": 3.87, "p_hit_rate": 0.834},
+    "cross-DC PD": {"ttft_p90_s": 5.44, "ttft_p99_s": 18.64, "wan_busy_fraction": 0.638, "md_hit_rate": 0.892},
+    "PDD": {"ttft_p90_s": 2.66, "ttft_p99_s": 6.79, "rld_token_share": 0.0252, "wan_busy_fraction": 0.604},
+}
+
+
+def test_calibrated_table_is_pinned():
+    trace = calibration_trace(2000)
     configs = calibration_configs()
-    s = {name: run_trace(cfg, trace) for name, cfg in configs.items()}
-    same, cross, pdd = s["same-DC PD"], s["cross-DC PD"], s["PDD"]
-    assert 0.85 <= same["p_hit_rate"] <= 0.93
-    assert cross["md_hit_rate"] >= cross["p_hit_rate"] - 0.03      # MD's cache keeps up at this load
-    assert 6.0 <= cross["wan_gbps_mean"] <= 16.0 and 0.6 <= cross["wan_busy_fraction"] <= 1.0
-    assert pdd["ttft_p90_s"] <= 0.5 * cross["ttft_p90_s"]           # the report: -46 %
-    assert pdd["ttft_p99_s"] <= cross["ttft_p99_s"]
-    assert 0.01 < pdd["rld_token_share"] < 0.15                     # the report: ~6 %
-    assert same["ttft_p90_s"] < 5.0 and same["wan_gbps_mean"] == 0
-    assert same["sla_attainment"] >= 0.99 and pdd["sla_attainment"] >= 0.95 > cross["sla_attainment"]
-    for x in (same, cross, pdd):
-        assert 0.005 < x["tpot_p50_s"] < 0.05
+    for name, pinned in PINNED_AT_REPORT_LOAD.items():
+        s = run_trace(configs[name], trace)
+        for key, value in pinned.items():
+            assert s[key] == pytest.approx(value, rel=0.03), (name, key)
+    # Goodput witnesses for the judged figures (report +-15 %): same-DC PD meets the SLA
+    # at 9 req/s but not at 12, where it sends 10.5 req/s; PDD meets it at 11.5 req/s
+    # with a goodput above the report's 11.5 - 15 %.
+    def at(name, rate):
+        return run_trace(configs[name], agentic(replace(CALIBRATION_WORKLOAD, num_requests=2000, rate=rate), seed=1))
+    same_high, pdd = at("same-DC PD", 12.0), at("PDD", 11.5)
+    assert same_high["sla_attainment"] < 0.9 and same_high["sent_rps"] < 1.15 * 9.3
+    assert pdd["sla_attainment"] >= 0.9 and pdd["sla_goodput_rps"] >= (1 - 0.15) * REPORT["pdd_goodput_rps"]
+
+
+def _scenario(goodput, bcr10, bcr25, **at_load):
+    return {"goodput_rps": goodput, "bcr": {"0.1": bcr10, "0.25": bcr25},
+            "at_offered_load": {"ttft_p90_s": 1.0, "ttft_p99_s": 2.0, "rld_token_share": 0.0, **at_load}}
+
+
+def test_comparison_rows_judge_against_the_report():
+    scenarios = {"same-DC PD": _scenario(9.0 * 1.14, 2.0, 3.0),
+                 "cross-DC PD": _scenario(8.0, 1.0, 1.5, ttft_p90_s=18.3 * 0.84, ttft_p99_s=29.7),
+                 "PDD": _scenario(11.5 * 0.86, 2.2, 2.9, ttft_p90_s=9.8, ttft_p99_s=14.4 * 1.2)}
+    rows = {r["metric"]: r for r in comparison_rows(scenarios)}
+    verdicts = {m: r["ok"] for m, r in rows.items() if "ok" in r}
+    assert verdicts == {"cross-DC PD TTFT p90 (s)": False, "cross-DC PD TTFT p99 (s)": True,
+                        "PDD TTFT p90 (s)": True, "PDD TTFT p99 (s)": False,
+                        "goodput, 88 H100 same-DC PD (req/s)": True, "goodput, PDD (req/s)": True,
+                        "BCR change, PDD vs same-DC PD (cached 10% / 25%)": False}
+    assert rows["BCR change, PDD vs same-DC PD (cached 10% / 25%)"]["sim"] == pytest.approx((0.1, 2.9 / 3 - 1))
+    assert rows["TTFT p90 change, PDD vs cross-DC"]["sim"] == pytest.approx(9.8 / (18.3 * 0.84) - 1)
 
 
 def test_goodput_search_brackets_the_sla():
@@ -344,6 +422,21 @@ def test_goodput_search_on_a_regenerated_workload():
     assert 0 < slow < fast
     for s in (s_slow, s_fast):
         assert s["sla_attainment"] >= 0.9 and s["sent_rps"] <= s["offered_rps"] * 1.001
+
+
+def test_sensitivity_rows_read_the_calibration_result():
+    """The baseline row reuses a given calibration result; its cells are that result's figures."""
+    scenarios = {"same-DC PD": _scenario(9.0, 2.0, 3.0), "cross-DC PD": _scenario(8.0, 1.0, 1.5, ttft_p90_s=18.0),
+                 "PDD": _scenario(11.0, 2.4, 3.3, ttft_p99_s=14.0, rld_token_share=0.05, p_hit_rate=0.8)}
+    baseline = {"scenarios": scenarios, "comparison": comparison_rows(scenarios)}
+    rows = sensitivity([Variation("calibrated")], baseline=baseline, progress=False)
+    assert rows == [{"label": "calibrated", "config": {}, "workload": {}, "same-DC gp": 9.0, "PDD gp": 11.0,
+                     "BCR vs same": pytest.approx(0.2), "cross p90": 18.0, "cross p99": 2.0, "PDD p90": 1.0,
+                     "PDD p99": 14.0, "RLD share": 0.05, "P hit": 0.8}]
+    table = format_sensitivity(rows).splitlines()
+    assert table[1].split() == ["the", "report", "9.00", "11.50", "+32%", "18.30", "29.70", "9.80", "14.40", "6.0%", "-"]
+    assert table[2].split() == ["calibrated", "9.00", "11.00", "+20%", "18.00", "2.00", "1.00", "14.00", "5.0%",
+                                "80.0%"]
 
 
 # ---- workload and traces ----------------------------------------------------------------------------

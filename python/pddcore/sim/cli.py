@@ -1,6 +1,7 @@
 """`pddcore sim`: the cluster simulator from the command line.
 
     pddcore sim                          # calibration: the three deployments beside the PDD report
+    pddcore sim --sensitivity            # the same, plus one parameter changed at a time
     pddcore sim --sweep rld --plot figs  # a sweep (bathtub, wan, rld or all), with PNGs
     pddcore sim --trace trace.jsonl      # the three deployments on your own trace
     pddcore sim --write-trace t.jsonl    # the synthetic calibration trace, as JSONL
@@ -17,6 +18,7 @@ from typing import Any
 
 from .calibration import calibrate, format_table
 from .scenarios import CALIBRATION_WAN_GBPS, CALIBRATION_WORKLOAD, calibration_configs, calibration_trace
+from .sensitivity import format_sensitivity, sensitivity
 from .sweeps import SWEEPS, plot, pyplot
 from .workload import TraceError, agentic, read_jsonl, write_jsonl
 
@@ -30,12 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--trace", metavar="PATH",
                       help="simulate a JSONL trace on the calibration deployments (format: pddcore.sim.workload)")
     mode.add_argument("--write-trace", metavar="PATH", help="write the synthetic calibration trace and exit")
-    parser.add_argument("--requests", type=int, default=None, help="requests in the synthetic trace")
+    mode.add_argument("--sensitivity", action="store_true",
+                      help="after the calibration, re-run it with one parameter changed at a time (minutes)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help=f"requests in the synthetic trace (default {CALIBRATION_WORKLOAD.num_requests})")
     parser.add_argument("--seed", type=int, default=1, help="seed of the synthetic trace (default 1)")
     parser.add_argument("--wan-gbps", type=float, default=None, help=f"WAN bandwidth (default {CALIBRATION_WAN_GBPS:g} Gbit/s)")
     parser.add_argument("--wan-rtt-ms", type=float, default=None, help="WAN round trip (default 20 ms)")
     parser.add_argument("--output-median", type=int, default=None,
-                        help="median output tokens of the calibration workload (default 350)")
+                        help=f"median output tokens of the calibration workload "
+                             f"(default {CALIBRATION_WORKLOAD.output_median})")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="DIR", help="write PNG figures into DIR")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -120,9 +126,17 @@ def run(args: argparse.Namespace) -> int:
                     print(f"wrote {plot(kind, rows, args.plot)}")
         else:
             changes = {} if args.output_median is None else {"output_median": args.output_median}
-            result = calibrate(num_requests=args.requests or 3000, seed=args.seed, progress=progress,
-                               workload_changes=changes, **overrides)
+            requests = args.requests or CALIBRATION_WORKLOAD.num_requests
+            result = calibrate(num_requests=requests, seed=args.seed, progress=progress, workload_changes=changes,
+                               **overrides)
             print(format_table(result))
+            if args.sensitivity:
+                rows = sensitivity(num_requests=requests, seed=args.seed, progress=progress, baseline=result,
+                                   workload_changes=changes, **overrides)
+                print(f"\nSensitivity ({requests} requests, seed {args.seed}; gp = max SLA goodput in req/s, "
+                      f"BCR at cached 10 %, TTFTs in s at the report's load; one change per row):")
+                print(format_sensitivity(rows))
+                result["sensitivity"] = rows
             if args.plot:
                 print(f"wrote {_plot_calibration(result, overrides, args.plot)}")
     except (TraceError, ValueError, OSError) as e:

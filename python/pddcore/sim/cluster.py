@@ -72,10 +72,15 @@ class ClusterConfig:
     """One deployment. Bandwidths in Gbit/s. ``ttft_slo_s`` / ``tpot_slo_s``: the SLA a
     request must meet to count toward goodput. ``router_ttft_slo_s``: the budget the
     router gives P_MD (MD must be ready within it). ``warm_start``: a session's prefix
-    that P already caches at its first request in the trace is on its MD too (the
-    cluster has been running); otherwise MD starts empty. ``mfu`` / ``mbu``: see
-    :class:`pddcore.sim.costmodel.CostModel`. ``max_batch``: most running requests per
-    decode instance."""
+    that P caches at its first request in the trace is in its home P's cache and on its
+    MD too (the cluster has been running); otherwise the caches start empty. ``mfu`` /
+    ``mbu`` / ``memory_reserve``: see :class:`pddcore.sim.costmodel.CostModel`.
+    ``max_batch``: most running requests per decode instance. ``prefill_cache_ratio``:
+    each P's prefix cache (LRU, pages of ``drc_page_tokens`` like MD's) holds this
+    multiple of the KV room its HBM leaves beside one max-context prefill (1: HBM only;
+    3: HBM plus a host-memory tier twice its size, SGLang HiCache's default), so a
+    session's prefix is recomputed once evicted; None: an unbounded cache that hits
+    whatever the trace's ``cached_tokens`` say."""
 
     name: str
     model: ModelSpec
@@ -88,6 +93,7 @@ class ClusterConfig:
     rdma_gbps: float = 400.0
     drc: bool = True
     drc_page_tokens: int = 64
+    prefill_cache_ratio: float | None = 3.0
     warm_start: bool = True
     max_batch: int = 128
     ttft_slo_s: float = 10.0
@@ -96,11 +102,14 @@ class ClusterConfig:
     handoff: HandoffPolicy = HandoffPolicy()
     mfu: float = 0.45
     mbu: float = 0.75
+    memory_reserve: float = 0.10
 
     def __post_init__(self):
         for name in ("wan_gbps", "rdma_gbps", "ttft_slo_s", "tpot_slo_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.prefill_cache_ratio is not None and not self.prefill_cache_ratio >= 0:
+            raise ValueError(f"prefill_cache_ratio must be None or >= 0, got {self.prefill_cache_ratio!r}")
         if self.rld is not None and not self.cross_dc:
             raise ValueError("an RLD tier only makes sense with decode across the WAN (cross_dc=True)")
         if self.prefill.instances < 1 or self.decode.instances < 1:
@@ -117,7 +126,8 @@ class ClusterConfig:
         return sum(p.price_per_hour for p in (self.prefill, self.decode, self.rld) if p is not None)
 
     def cost_model(self, pool: Pool) -> CostModel:
-        return CostModel(self.model, pool.hardware, pool.gpus_per_instance, mfu=self.mfu, mbu=self.mbu)
+        return CostModel(self.model, pool.hardware, pool.gpus_per_instance, mfu=self.mfu, mbu=self.mbu,
+                         memory_reserve=self.memory_reserve)
 
     def with_(self, **changes: Any) -> "ClusterConfig":
         return replace(self, **changes)
@@ -129,7 +139,7 @@ class Job:
     __slots__ = ("req", "t_arrive", "keys", "pipeline", "route_reason", "rld", "md", "md_node", "md_matched_pages",
                  "md_reserved", "rld_reserved", "prefill_done", "rld_granted", "md_granted", "wan_transfer",
                  "md_ready", "on_rld", "handed", "rounds", "handoffs", "tokens_rld", "tokens_md", "t_first",
-                 "t_done", "t_prefill", "bytes_to_md", "md_hit_tokens", "extending")
+                 "t_done", "t_prefill", "bytes_to_md", "md_hit_tokens", "p_hit_tokens", "extending")
 
     def __init__(self, req: Request):
         self.req = req
@@ -151,6 +161,7 @@ class Job:
         self.t_prefill: float | None = None
         self.bytes_to_md = 0
         self.md_hit_tokens = 0
+        self.p_hit_tokens = 0
         self.extending = False
 
     @property
@@ -173,6 +184,7 @@ class SimRun:
     events: int
     wan_bytes: float
     wan_busy_s: float
+    wan_last_busy_s: float  # seconds from the first arrival to the WAN's last transfer
     rdma_bytes: float
     instance_busy: dict[str, float] = field(default_factory=dict)
     md_lookup_pages: int = 0
@@ -186,12 +198,16 @@ class ClusterSim:
         self.cfg = cfg = config
         self.loop = loop = EventLoop()
         p_cost, d_cost = cfg.cost_model(cfg.prefill), cfg.cost_model(cfg.decode)
-        self.prefills = [PrefillInstance(loop, p_cost, f"P{i}") for i in range(cfg.prefill.instances)]
+        p_cache = None
+        if cfg.prefill_cache_ratio is not None:
+            p_cache = int((p_cost.kv_capacity_tokens() - cfg.model.max_context) * cfg.prefill_cache_ratio)
+        self.prefills = [PrefillInstance(loop, p_cost, f"P{i}", p_cache, cfg.drc_page_tokens)
+                         for i in range(cfg.prefill.instances)]
         d_cap = d_cost.kv_capacity_tokens()
-        use_drc = cfg.cross_dc and cfg.drc
+        self._md_cache = cfg.cross_dc and cfg.drc
 
         def d_pool():
-            if use_drc:
+            if self._md_cache:
                 return PrefixKVPool(d_cap, cfg.max_batch, cfg.drc_page_tokens)
             return KVPool(d_cap, cfg.max_batch)
 
@@ -226,6 +242,7 @@ class ClusterSim:
         self._session_pages: dict[Any, tuple] = {}
         self._next_page = 0
         self._session_busy: dict[Any, list[Job]] = {}  # session -> requests held back behind a running one
+        self._prefix_holders: dict[Any, set[int]] = {}  # session -> indices of the P that cached some of it
 
     # ---- driving ----------------------------------------------------------------------------
     def run(self, requests: Sequence[Request]) -> SimRun:
@@ -236,8 +253,8 @@ class ClusterSim:
                 raise ValueError(f"request {r.id!r}: {r.prompt_tokens} prompt + {r.output_tokens} output tokens "
                                  f"exceed the model's {self.cfg.model.max_context}-token context")
         self.jobs = [Job(r) for r in requests]
-        if self.cfg.cross_dc and self.cfg.drc and self.cfg.warm_start:
-            self._warm_md_caches()
+        if self.cfg.warm_start:
+            self._warm_caches()
         previous = -math.inf
         for job in self.jobs:
             if job.req.arrival_s < previous:
@@ -255,11 +272,13 @@ class ClusterSim:
         busy = {i.name: i.busy_s for i in self.prefills + self.rlds + self.decodes}
         pools = [d.pool for d in self.decodes if isinstance(d.pool, PrefixKVPool)]
         return SimRun(self.cfg, self.jobs, end - start, self.loop.events_run, self.wan.bytes_delivered,
-                      self.wan.busy_s, sum(link.bytes_delivered for link in self.rdma.values()), busy,
+                      self.wan.busy_s, max(0.0, self.wan.last_busy_at - start), sum(link.bytes_delivered for link in self.rdma.values()), busy,
                       sum(p.lookup_pages for p in pools), sum(p.hit_pages for p in pools))
 
-    def _warm_md_caches(self) -> None:
-        pt = self.cfg.drc_page_tokens
+    def _warm_caches(self) -> None:
+        """The prefix each session's first request hits was cached before the trace on
+        the session's home P and, with a decode-side cache, on its MD."""
+        pt, md_cache = self.cfg.drc_page_tokens, self._md_cache
         for job in self.jobs:
             session = job.req.session
             if session is None or session in self._session_pages:
@@ -268,7 +287,11 @@ class ClusterSim:
             self._next_page += len(keys)
             self._session_pages[session] = keys
             if keys:
-                self._pick_decode(job).pool.preload(keys)
+                home = self._session_hash(session) % len(self.prefills)
+                self.prefills[home].preload(keys)
+                self._prefix_holders[session] = {home}
+                if md_cache:
+                    self._pick_decode(job).pool.preload(keys)
 
     # ---- arrival and routing --------------------------------------------------------------------
     def _page_keys(self, req: Request) -> tuple:
@@ -309,11 +332,11 @@ class ClusterSim:
 
     def _arrive(self, job: Job) -> None:
         req, cfg = job.req, self.cfg
-        p = min(self.prefills, key=lambda x: x.free_at)
-        new = req.prompt_tokens - req.cached_tokens
-        wait, service = p.quote(new, req.cached_tokens)
-        if cfg.cross_dc and cfg.drc:
-            job.keys = self._page_keys(req)
+        job.keys = self._page_keys(req)
+        # A request without a session shares its prefix with no one we know of: P hits
+        # what the trace says.
+        p_keys = job.keys if req.session is not None else None
+        p, (wait, service), p_hit = self._pick_prefill(req, p_keys)
         job.md = self._pick_decode(job)
         if self.rlds:
             job.rld = min(self.rlds, key=lambda d: d.pool.load)
@@ -321,7 +344,7 @@ class ClusterSim:
             link = self.estimator.estimate(_WAN, now=self.loop.now)
             route = self.router.route(RouteRequest(
                 prompt_tokens=req.prompt_tokens, wan_bytes_per_s=link.bytes_per_s, wan_rtt_s=link.rtt_s,
-                p_cached_tokens=req.cached_tokens, md_cached_tokens=md_cached,
+                p_cached_tokens=p_hit, md_cached_tokens=md_cached,
                 expected_output_tokens=req.output_tokens, rld_load=job.rld.pool.load, prefill_s=wait + service))
             job.pipeline, job.route_reason = route.pipeline, route.reason
         if job.pipeline is Pipeline.P_MD:
@@ -333,14 +356,39 @@ class ClusterSim:
         if job.rld is not None:
             job.rld_reserved = req.prompt_tokens + req.output_tokens
             job.rld.pool.reserve(job, job.rld_reserved, self._rld_granted)
-        p.submit(new, req.cached_tokens, self._prefill_done, job)
+        job.p_hit_tokens = p.submit(p_keys, req.prompt_tokens, req.cached_tokens, self._prefill_done, job)
+
+    def _pick_prefill(self, req: Request, keys: tuple | None) -> tuple[PrefillInstance, tuple[float, float], int]:
+        """The P that would finish this prefill first, counting its queue and what its
+        cache holds (a cache-aware router); ties go to the one idle longest.
+        Returns (P, (queue wait, service time), hit tokens)."""
+        # A P that never cached this session hits nothing, so of those only the least busy
+        # can win: look up just it and the session's holders.
+        least_busy = min(range(len(self.prefills)), key=lambda i: self.prefills[i].free_at)
+        holders = self._prefix_holders.get(req.session, set()) if keys is not None else set()
+        best = None
+        for i in sorted(holders | {least_busy}):
+            p = self.prefills[i]
+            hit = p.hit_tokens(keys, req.cached_tokens)
+            wait, service = p.quote(req.prompt_tokens, hit)
+            rank = (wait + service, p.free_at)
+            if best is None or rank < best[0]:
+                best = (rank, i, (wait, service), hit)
+        _, i, quote, hit = best
+        if keys is not None:
+            self._prefix_holders.setdefault(req.session, set()).add(i)
+        return self.prefills[i], quote, hit
+
+    @staticmethod
+    def _session_hash(session: Any) -> int:
+        # CRC32C, not hash(): str hashes change per process (PYTHONHASHSEED).
+        return crc32c(repr(session).encode())
 
     def _pick_decode(self, job: Job) -> DecodeInstance:
         # With a decode-side cache a session sticks to one MD (its prefixes live there);
         # without one, the least loaded instance takes the request.
-        # The session's CRC32C, not hash(): str hashes change per process (PYTHONHASHSEED).
-        if self.cfg.cross_dc and self.cfg.drc and job.req.session is not None:
-            return self.decodes[crc32c(repr(job.req.session).encode()) % len(self.decodes)]
+        if self._md_cache and job.req.session is not None:
+            return self.decodes[self._session_hash(job.req.session) % len(self.decodes)]
         return min(self.decodes, key=lambda d: d.pool.load)
 
     def _reserve_md(self, job: Job) -> None:

@@ -1,5 +1,6 @@
-"""Serving instances: prefill (FIFO, compute-bound) and decode (continuous batching
-under a KV-capacity budget), plus the decode-side radix cache's capacity model.
+"""Serving instances: prefill (FIFO, compute-bound, with a bounded prefix cache) and
+decode (continuous batching under a KV-capacity budget), plus the decode-side radix
+cache's capacity model.
 
 Decode runs in steps: every running request produces one token per step, and a
 request whose KV arrives mid-step joins at the next step boundary. Steps are counted,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..radix import RadixCache, RadixNode
 from .costmodel import CostModel
@@ -25,26 +26,85 @@ from .engine import EventHandle, EventLoop
 __all__ = ["PrefillInstance", "DecodeInstance", "KVPool", "PrefixKVPool"]
 
 
+def _cache_evicting(cache: RadixCache, keys: tuple, page_ids: Iterator[int], held_pages: int = 0) -> bool:
+    """Caches the pages of ``keys`` the cache lacks, evicting LRU pages to make room
+    beside ``held_pages`` held outside it; False (nothing changed) when locked pages
+    leave too little room."""
+    current = cache.match_prefix(keys)
+    need = len(keys) - current.matched_len
+    short = need - (cache.capacity_pages - cache.num_pages - held_pages)
+    if short > 0:
+        cache.lock(current.node)  # the prefix being extended must survive the eviction
+        room = cache.num_evictable_pages >= short
+        if room:
+            cache.evict(short)
+        cache.unlock(current.node)
+        if not room:
+            return False
+    cache.insert(keys, current.pages + [next(page_ids) for _ in range(need)])
+    return True
+
+
 class PrefillInstance:
     """Serves prefills one at a time in arrival order; long-context prefill saturates
-    the chips alone, so batching would not raise throughput."""
+    the chips alone, so batching would not raise throughput.
 
-    def __init__(self, loop: EventLoop, cost: CostModel, name: str):
+    With ``cache_tokens`` the instance keeps a prefix cache of that many KV tokens (in
+    its HBM and any host-memory tier; :class:`pddcore.radix.RadixCache`, LRU,
+    ``page_tokens`` per page): a prompt hits only the pages of it still cached here,
+    and recomputes the rest. A queued prefill locks its cached prefix; its own pages
+    join the cache when it ends. Without ``cache_tokens`` every prompt hits what the
+    trace says P caches."""
+
+    def __init__(self, loop: EventLoop, cost: CostModel, name: str, cache_tokens: int | None = None,
+                 page_tokens: int = 64):
         self.loop, self.cost, self.name = loop, cost, name
         self.free_at = 0.0
         self.busy_s = 0.0
+        self.page_tokens = page_tokens
+        self.cache = None if cache_tokens is None else RadixCache(page_size=1,
+                                                                  capacity_pages=cache_tokens // page_tokens)
+        self._page_ids = itertools.count()
 
-    def quote(self, new_tokens: int, cached_tokens: int) -> tuple[float, float]:
+    def hit_tokens(self, keys: tuple | None, trace_cached: int) -> int:
+        """Prompt tokens this instance would not recompute (no side effects); ``keys``
+        None: the prompt's prefix is unknown, so the trace's ``trace_cached`` counts."""
+        if self.cache is None or keys is None:
+            return trace_cached
+        return self.cache.prefix_len(keys) * self.page_tokens
+
+    def quote(self, prompt_tokens: int, hit_tokens: int) -> tuple[float, float]:
         """(queue wait, service time) a prefill submitted now would see."""
-        return max(0.0, self.free_at - self.loop.now), self.cost.prefill_seconds(new_tokens, cached_tokens)
+        service = self.cost.prefill_seconds(prompt_tokens - hit_tokens, hit_tokens)
+        return max(0.0, self.free_at - self.loop.now), service
 
-    def submit(self, new_tokens: int, cached_tokens: int, on_done: Callable[..., Any], *args: Any) -> float:
-        """Queues a prefill; ``on_done(*args)`` runs when it completes. Returns that time."""
-        wait, service = self.quote(new_tokens, cached_tokens)
+    def submit(self, keys: tuple | None, prompt_tokens: int, trace_cached: int, on_done: Callable[..., Any],
+               *args: Any) -> int:
+        """Queues a prefill; ``on_done(*args)`` runs when it completes. Returns the
+        prompt tokens it hits (does not recompute)."""
+        node = None
+        if self.cache is None or keys is None:
+            hit = trace_cached
+        else:
+            match = self.cache.match_prefix(keys)
+            node, hit = match.node, match.matched_len * self.page_tokens
+            self.cache.lock(node)
+        wait, service = self.quote(prompt_tokens, hit)
         self.free_at = self.loop.now + wait + service
         self.busy_s += service
-        self.loop.at(self.free_at, on_done, *args)
-        return self.free_at
+        self.loop.at(self.free_at, self._done, keys, node, on_done, args)
+        return hit
+
+    def preload(self, keys: tuple) -> None:
+        """Caches ``keys`` as if computed before the run (skipped when locked pages leave no room)."""
+        if self.cache is not None:
+            _cache_evicting(self.cache, keys, self._page_ids)
+
+    def _done(self, keys: tuple, node: RadixNode | None, on_done: Callable[..., Any], args: tuple) -> None:
+        if node is not None:
+            self.cache.unlock(node)
+            _cache_evicting(self.cache, keys, self._page_ids)
+        on_done(*args)
 
 
 class _Slot:
@@ -150,14 +210,7 @@ class PrefixKVPool(KVPool):
     def preload(self, keys: tuple) -> None:
         """Caches ``keys`` as if they had been received before the run, evicting LRU
         pages if needed; skipped when the pool is too full of locked pages."""
-        need = len(keys) - self.cache.prefix_len(keys)
-        short = need - (self.cache.capacity_pages - self.cache.num_pages) + -(-self.used // self.page_tokens)
-        if short > 0 and short > self.cache.num_evictable_pages:
-            return
-        if short > 0:
-            self.cache.evict(short)
-        current = self.cache.match_prefix(keys)
-        self.cache.insert(keys, current.pages + [next(self._page_ids) for _ in range(need)])
+        _cache_evicting(self.cache, keys, self._page_ids, held_pages=-(-self.used // self.page_tokens))
 
     def insert_locked(self, keys: tuple, matched_pages: int, old: RadixNode) -> RadixNode:
         """Caches the whole prompt once its suffix arrived; moves the lock from ``old``."""

@@ -39,7 +39,8 @@ class LinkTransfer:
 
 
 class SharedLink:
-    """A processor-sharing link; ``bytes_delivered`` and ``busy_s`` record its use."""
+    """A processor-sharing link; ``bytes_delivered``, ``busy_s`` and ``last_busy_at``
+    (when a transfer last ended) record its use."""
 
     def __init__(self, loop: EventLoop, bytes_per_s: float, rtt_s: float = 0.0, name: str = "link"):
         if not bytes_per_s > 0:
@@ -49,6 +50,7 @@ class SharedLink:
         self.loop, self.bytes_per_s, self.rtt_s, self.name = loop, float(bytes_per_s), float(rtt_s), name
         self.bytes_delivered = 0.0
         self.busy_s = 0.0
+        self.last_busy_at = 0.0
         self._virtual = 0.0
         self._updated_at = 0.0
         self._active = 0
@@ -85,6 +87,7 @@ class SharedLink:
         if self._active:
             self._virtual += (now - self._updated_at) * self.bytes_per_s / self._active
             self.busy_s += now - self._updated_at
+            self.last_busy_at = now
         self._updated_at = now
 
     def _join(self, t: LinkTransfer) -> None:

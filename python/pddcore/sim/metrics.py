@@ -57,7 +57,9 @@ def sla_met(run: SimRun) -> np.ndarray:
 def summarize(run: SimRun) -> dict[str, Any]:
     """``offered_rps``: the trace's arrival rate. ``sent_rps``: the rate requests were
     released at while the trace arrived (a session holds its next turn until the
-    previous one finished). ``sla_goodput_rps``: ``sla_attainment`` x ``sent_rps``."""
+    previous one finished). ``sla_goodput_rps``: ``sla_attainment`` x ``sent_rps``.
+    ``wan_gbps_mean`` / ``wan_busy_fraction``: over the time the WAN was in use (first
+    arrival to its last transfer), so decoding that goes on after it does not dilute them."""
     cfg, jobs = run.config, run.jobs
     n = len(jobs)
     ttft = np.fromiter((j.ttft for j in jobs), float, n)
@@ -65,7 +67,7 @@ def summarize(run: SimRun) -> dict[str, Any]:
     met = sla_met(run)
     out_tokens = sum(j.req.output_tokens for j in jobs)
     prompt = sum(j.req.prompt_tokens for j in jobs)
-    span = max(run.duration_s, 1e-9)
+    wan_window = max(run.wan_last_busy_s, 1e-9)
     arrival_span = max(jobs[-1].req.arrival_s - jobs[0].req.arrival_s, 1e-9)
     # Requests released while the trace was still arriving, per second of it: turns
     # a slow cluster holds back past the window lower it; the drain after it does not.
@@ -87,10 +89,11 @@ def summarize(run: SimRun) -> dict[str, Any]:
         "sla_attainment": float(met.mean()),
         "sla_goodput_rps": float(met.mean() * sent_rps),
         "rld_token_share": sum(j.tokens_rld for j in jobs) / out_tokens,
-        "wan_gbps_mean": run.wan_bytes * 8 / span / 1e9,
-        "wan_busy_fraction": run.wan_busy_s / span,
+        "wan_gbps_mean": run.wan_bytes * 8 / wan_window / 1e9,
+        "wan_busy_fraction": run.wan_busy_s / wan_window,
         "wan_gb": run.wan_bytes / 1e9,
-        "p_hit_rate": sum(j.req.cached_tokens for j in jobs) / prompt,
+        "p_hit_rate": sum(j.p_hit_tokens for j in jobs) / prompt,
+        "trace_hit_rate": sum(j.req.cached_tokens for j in jobs) / prompt,
         "md_hit_rate": run.md_hit_pages / run.md_lookup_pages if run.md_lookup_pages else None,
         "routes": dict(Counter(j.pipeline.value for j in jobs)),
         "handoffs": dict(Counter(h for j in jobs for h in j.handoffs)),
