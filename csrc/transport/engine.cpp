@@ -29,6 +29,8 @@ Engine::Engine(EngineOptions options) : options_(std::move(options)) {
   if (options_.queue_delay_target_s < 0) throw std::invalid_argument("queue_delay_target_s must be positive or 0 (off)");
   if (options_.max_connections == 0 || options_.max_connections_per_host == 0 || options_.max_inbox_bytes == 0)
     throw std::invalid_argument("max_connections, max_connections_per_host and max_inbox_bytes must be positive");
+  if (options_.tls && !options_.has_token) throw std::invalid_argument("tls needs an auth_token (its key comes from it)");
+  if (options_.tls) tls_ = std::make_unique<TlsContext>(options_.auth_token);
   uint16_t port = 0;
   listener_ = listen_tcp({options_.listen_host, options_.listen_port}, &port);
   address_ = format_address({options_.listen_host, port});
@@ -146,6 +148,7 @@ RegionPtr Engine::find_region(uint64_t region_id) {
 Socket Engine::dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) {
   if (closing_) throw TransferError("engine is closed");
   Socket s = dial_tcp(parse_address(peer.address), options_.timeout_s);
+  if (tls_) tls_->secure_client(s, options_.timeout_s);
   const uint64_t id = dial_handshake(s, handshake_, kind, stream);
   if (id != peer.engine_id) throw TransferError("engine at " + peer.address + " was replaced (its engine id changed)");
   return s;
@@ -163,6 +166,7 @@ PeerPtr Engine::connect(const std::string& address, const std::string& backend) 
   }
   peer->info.address = address;
   peer->control = dial_tcp(parse_address(address), options_.timeout_s);
+  if (tls_) tls_->secure_client(peer->control, options_.timeout_s);
   peer->info.engine_id = dial_handshake(peer->control, handshake_, wire::ConnKind::kControl, 0);
   peer->control.set_timeouts(0, options_.timeout_s);
   peer->control.set_nodelay();
@@ -246,6 +250,7 @@ void Engine::admit(Socket socket) {
 
 void Engine::serve_connection(Connection* conn) {
   try {
+    if (tls_) tls_->secure_server(conn->socket, options_.timeout_s);
     const ClientHello hello = accept_handshake(conn->socket, handshake_);
     // A client listening on a wildcard address is reachable at the address it came from.
     HostPort from = parse_address(hello.address);
@@ -255,6 +260,8 @@ void Engine::serve_connection(Connection* conn) {
     if (hello.kind == wire::ConnKind::kControl) serve_control(conn->socket, from_address, hello.engine_id);
     for (auto& backend : backends_)  // a kind no backend serves (e.g. RDMA to a tcp-only engine) is closed
       if (hello.kind == backend->conn_kind()) backend->serve(conn->socket, PeerInfo{0, from_address, hello.engine_id});
+  } catch (const TlsError&) {
+    ++tls_errors_;  // a failed TLS handshake, or a record that failed its authentication
   } catch (const std::exception&) {
     // A refused, broken or malformed connection affects only itself.
   }
@@ -694,7 +701,8 @@ StatsMap Engine::totals() const {
           {"transfers_cancelled", double(transfers_cancelled_)},
           {"messages_sent", double(messages_sent_)},
           {"messages_received", double(messages_received_)},
-          {"connections_refused", double(connections_refused_)}};
+          {"connections_refused", double(connections_refused_)},
+          {"tls_errors", double(tls_errors_)}};
 }
 
 std::map<std::string, StatsMap> Engine::peer_stats() const {

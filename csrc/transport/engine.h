@@ -23,6 +23,7 @@
 #include "handshake.h"
 #include "pddcore/transfer_backend.h"
 #include "socket.h"
+#include "tls.h"
 
 namespace pddcore::transfer {
 
@@ -163,6 +164,7 @@ class Engine final : public BackendHost {
 
   EngineOptions options_;
   HandshakeConfig handshake_;
+  std::unique_ptr<TlsContext> tls_;  // set with options_.tls
   std::string address_;
   std::vector<std::unique_ptr<TransferBackend>> backends_;  // every data path this engine serves
   TransferBackend* backend_ = nullptr;                     // the default one (backends_.front())
@@ -212,7 +214,7 @@ class Engine final : public BackendHost {
 
   std::atomic<uint64_t> bytes_sent_{0}, chunks_sent_{0}, bytes_received_{0}, chunks_received_{0}, retries_{0},
       crc_errors_{0}, chunks_rejected_{0}, transfers_done_{0}, transfers_failed_{0}, transfers_cancelled_{0},
-      messages_sent_{0}, messages_received_{0}, connections_refused_{0};
+      messages_sent_{0}, messages_received_{0}, connections_refused_{0}, tls_errors_{0};
 };
 
 // Creates the backend named in options.backend; throws std::invalid_argument listing

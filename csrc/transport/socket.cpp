@@ -15,6 +15,7 @@
 #include <stdexcept>
 
 #include "pddcore/transfer_backend.h"
+#include "tls.h"
 
 namespace pddcore::transfer {
 
@@ -52,23 +53,33 @@ sockaddr_in resolve(const HostPort& hp) {
 
 }  // namespace
 
+Socket::Socket() = default;
+Socket::Socket(int fd) : fd_(fd) {}
+Socket::Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)), tls_(std::move(o.tls_)) {}
+
 Socket& Socket::operator=(Socket&& o) noexcept {
   if (this != &o) {
+    tls_.reset();
     if (fd_ >= 0) ::close(fd_);
     fd_ = std::exchange(o.fd_, -1);
+    tls_ = std::move(o.tls_);
   }
   return *this;
 }
 
 Socket::~Socket() {
+  tls_.reset();
   if (fd_ >= 0) ::close(fd_);
 }
+
+void Socket::attach_tls(std::unique_ptr<TlsChannel> channel) { tls_ = std::move(channel); }
 
 void Socket::shutdown() const {
   if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
 }
 
 void Socket::set_timeouts(double recv_s, double send_s) const {
+  if (tls_) tls_->set_timeouts(recv_s, send_s);
   const timeval r = to_timeval(recv_s), s = to_timeval(send_s);
   setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &r, sizeof(r));
   setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &s, sizeof(s));
@@ -85,6 +96,7 @@ void Socket::send_all(const void* data, size_t n) const {
 }
 
 void Socket::sendv_all(iovec* iov, int count) const {
+  if (tls_) return tls_->write(iov, count);
   while (count > 0) {
     msghdr msg{};
     msg.msg_iov = iov;
@@ -138,6 +150,7 @@ size_t Socket::recv_some(void* data, size_t n) const {
 }
 
 size_t Socket::recvv_some(iovec* iov, int count) const {
+  if (tls_) return tls_->readv(iov, count);
   for (;;) {
     msghdr msg{};
     msg.msg_iov = iov;
@@ -163,6 +176,7 @@ bool Socket::frame(void* data, size_t n, int flags) const {
 }
 
 size_t Socket::receive(void* data, size_t n, int flags) const {
+  if (tls_) return tls_->read(data, n, (flags & MSG_DONTWAIT) != 0);  // kNothingYet is 0 there too
   for (;;) {
     const ssize_t got = ::recv(fd_, data, n, flags);
     if (got == 0) throw TransferError("connection closed by peer");

@@ -6,18 +6,21 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 
 namespace pddcore::transfer {
 
+class TlsChannel;
+
 // Owns one file descriptor. shutdown() may be called from another thread to wake a
 // blocked send/recv; the descriptor itself is closed only by the destructor.
 class Socket {
  public:
-  Socket() = default;
-  explicit Socket(int fd) : fd_(fd) {}
-  Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Socket();
+  explicit Socket(int fd);
+  Socket(Socket&& o) noexcept;
   Socket& operator=(Socket&& o) noexcept;
   Socket(const Socket&) = delete;
   Socket& operator=(const Socket&) = delete;
@@ -30,6 +33,9 @@ class Socket {
   // Deadline for each blocking recv/send; 0 disables it.
   void set_timeouts(double recv_s, double send_s) const;
   void set_nodelay() const;
+  // From now on every byte goes through this TLS session (see tls.h).
+  void attach_tls(std::unique_ptr<TlsChannel> channel);
+  bool encrypted() const { return tls_ != nullptr; }
 
   // Sends everything or throws TransferError.
   void send_all(const void* data, size_t n) const;
@@ -57,6 +63,7 @@ class Socket {
   bool frame(void* data, size_t n, int flags) const;
 
   int fd_ = -1;
+  std::unique_ptr<TlsChannel> tls_;
 };
 
 struct HostPort {

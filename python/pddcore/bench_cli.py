@@ -30,9 +30,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from .benchmarks import crc_cases, extend_cases, handoff_cases, pack_cases, radix_cases, rdma_cases, transfer_cases
+from .benchmarks import (crc_cases, extend_cases, handoff_cases, pack_cases, radix_cases, rdma_cases, tls_cases,
+                         transfer_cases)
 
-CASES = ("pack", "transfer", "wan", "handoff", "extend", "radix")
+CASES = ("pack", "transfer", "tls", "wan", "handoff", "extend", "radix")
 
 
 @dataclass
@@ -206,8 +207,30 @@ def case_radix(quick: bool, backend: str) -> CaseOutput:
     return CaseOutput({"points": [r.as_dict() for r in results]}, "\n".join(r.table() for r in results), rows)
 
 
+def case_tls(quick: bool, backend: str) -> CaseOutput:
+    if backend != "tcp":
+        raise Skipped("TLS is on the tcp backend's connections")
+    results = tls_cases.loopback((64 << 20) if quick else (256 << 20), rounds=2 if quick else 3)
+    rows = [Row("tls", f"loopback {r.streams} stream{'s' * (r.streams > 1)}, TLS", r.tls_gbps, "plain",
+                r.plain_gbps, "GB/s") for r in results]
+    text = tls_cases.format_table(results)
+    from .testing.wan import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None:
+        wan = _in_fresh_process(tls_cases.wan, rate="200mbit" if quick else "1gbit", delay_ms=10 if quick else 25,
+                                nbytes=(64 << 20) if quick else (512 << 20))
+        results.append(wan)
+        rows += [Row("tls", f"{wan.where} goodput, TLS", wan.tls_gbps, "line rate", wan.line_gbps, "Gbit/s"),
+                 Row("tls", f"{wan.where} goodput, TLS", wan.tls_gbps, "plain", wan.plain_gbps, "Gbit/s")]
+        text = tls_cases.format_table(results)
+    else:
+        text += f"\n(WAN rows skipped: {reason})"
+    return CaseOutput({"points": [r.as_dict() for r in results]}, text, rows)
+
+
 RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {
-    "pack": case_pack, "transfer": case_transfer, "wan": case_wan, "handoff": case_handoff,
+    "pack": case_pack, "transfer": case_transfer, "tls": case_tls, "wan": case_wan, "handoff": case_handoff,
     "extend": case_extend, "radix": case_radix,
 }
 

@@ -261,6 +261,11 @@ class TransferEngine:
             does not prove it. The token never crosses the wire. Required when ``listen`` is
             not a loopback address, unless ``insecure=True``.
         insecure: allow listening beyond loopback without ``auth_token`` (a trusted network only).
+        tls: TLS 1.3 on every connection (control, data, RDMA setup), AES-128-GCM with a key
+            pre-shared through ``auth_token`` and fresh (EC)DHE keys per connection: what an
+            on-path attacker sees is ciphertext, and a rewritten record is detected (the
+            connection drops, the chunk is resent; ``stats()["tls_errors"]`` counts it). Both
+            ends must set it. Meant for the WAN leg; inside a datacenter the token suffices.
         timeout_s: connect deadline, one deadline for a whole handshake, and how long a peer
             may acknowledge nothing before its transfers fail.
         max_connections, max_connections_per_host: connections served at once, in all and
@@ -293,7 +298,7 @@ class TransferEngine:
                  rate_limit_bps: float | None = None, max_retries: int = 5, device: str | None = None,
                  ib_port: int = 1, gid_index: int | None = None, queue_delay_target_s: float | None = None,
                  insecure: bool = False, max_connections: int = 1024, max_connections_per_host: int = 256,
-                 max_inbox_bytes: int = 64 << 20):
+                 max_inbox_bytes: int = 64 << 20, tls: bool = False):
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen must be 'host:port', got {listen!r}")
@@ -305,6 +310,8 @@ class TransferEngine:
             raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
                              "without one anybody who reaches the port can write into its target regions. Pass "
                              "auth_token=..., or insecure=True on a network you trust")
+        if tls and auth_token is None:
+            raise ValueError("tls=True needs an auth_token: the TLS pre-shared key is derived from it")
         for name, v in (("max_connections", max_connections), ("max_connections_per_host", max_connections_per_host),
                         ("max_inbox_bytes", max_inbox_bytes)):
             if not isinstance(v, int) or v <= 0:
@@ -323,7 +330,7 @@ class TransferEngine:
                                            float(timeout_s), float(rate_limit_bps or 0.0), max_retries,
                                            device or "", ib_port, -1 if gid_index is None else gid_index,
                                            float(queue_delay_target_s or 0.0), max_connections,
-                                           max_connections_per_host, max_inbox_bytes)
+                                           max_connections_per_host, max_inbox_bytes, bool(tls))
         self._lock = threading.Lock()
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)

@@ -121,6 +121,7 @@ struct EngineOptions {
   uint32_t chunk_bytes = 1u << 20;
   bool has_token = false;
   std::string auth_token;
+  bool tls = false;  // TLS 1.3 on every connection, keyed by the auth token (tls.h)
   double timeout_s = 30.0;
   double rate_limit_bps = 0.0;  // bits per second; 0: unlimited
   // TCP: pace each peer's bulk data so the path's queueing delay stays near this (0: off).

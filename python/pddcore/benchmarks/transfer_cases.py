@@ -55,13 +55,14 @@ def read_info(path: str, timeout: float = 60.0) -> str:
 # ---- receivers (run in another process or namespace) -------------------------------------
 
 
-def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp") -> list[tuple[int, float, float]]:
+def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp",
+                tls: bool = False) -> list[tuple[int, float, float]]:
     """Registers ``nbytes``, publishes address and descriptor, records latency probes
     (phase, sent, arrived) until an ``exit`` message."""
     from pddcore.transfer import TransferEngine
 
     probes = []
-    with TransferEngine(backend, listen=listen, auth_token=bench_token()) as engine:
+    with TransferEngine(backend, listen=listen, auth_token=bench_token(), tls=tls) as engine:
         region = engine.register(bytearray(nbytes), target=True)
         write_info(info_path, region.descriptor().hex())
         while True:

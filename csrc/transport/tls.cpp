@@ -1,0 +1,257 @@
+#include "tls.h"
+
+#include <fcntl.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/ssl.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "socket.h"
+
+namespace pddcore::transfer {
+
+namespace {
+
+constexpr char kPskIdentity[] = "pddcore";
+constexpr char kPskLabel[] = "pddcore tls 1.3 pre-shared key v1";
+// A TLS record carries at most 16 KiB: smaller pieces are gathered into one record.
+constexpr size_t kRecordBytes = 16 << 10;
+constexpr size_t kReadAheadBytes = 256 << 10;
+
+std::string openssl_reason() {
+  const unsigned long code = ERR_get_error();
+  if (code == 0) return "unknown TLS error";
+  char text[256];
+  ERR_error_string_n(code, text, sizeof(text));
+  return text;
+}
+
+const TlsContext& context_of(SSL* ssl) {
+  return *static_cast<const TlsContext*>(SSL_CTX_get_app_data(SSL_get_SSL_CTX(ssl)));
+}
+
+unsigned int copy_psk(SSL* ssl, unsigned char* psk, unsigned int max_len) {
+  const std::string& key = context_of(ssl).psk();
+  if (key.size() > max_len) return 0;
+  std::memcpy(psk, key.data(), key.size());
+  return static_cast<unsigned int>(key.size());
+}
+
+unsigned int client_psk(SSL* ssl, const char*, char* identity, unsigned int max_identity, unsigned char* psk,
+                        unsigned int max_psk) {
+  if (sizeof(kPskIdentity) > max_identity) return 0;
+  std::memcpy(identity, kPskIdentity, sizeof(kPskIdentity));
+  return copy_psk(ssl, psk, max_psk);
+}
+
+unsigned int server_psk(SSL* ssl, const char* identity, unsigned char* psk, unsigned int max_psk) {
+  if (identity == nullptr || std::strcmp(identity, kPskIdentity) != 0) return 0;
+  return copy_psk(ssl, psk, max_psk);
+}
+
+SSL_CTX* make_context(bool client, TlsContext* owner) {
+  SSL_CTX* ctx = SSL_CTX_new(client ? TLS_client_method() : TLS_server_method());
+  if (ctx == nullptr) throw TlsError("SSL_CTX_new failed: " + openssl_reason());
+  SSL_CTX_set_app_data(ctx, owner);
+  // TLS 1.3 only; an external PSK through these callbacks needs a SHA-256 suite.
+  SSL_CTX_set_min_proto_version(ctx, TLS1_3_VERSION);
+  SSL_CTX_set_ciphersuites(ctx, "TLS_AES_128_GCM_SHA256");
+  SSL_CTX_set_mode(ctx, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  // Read whatever the kernel holds in one recv (many records), not one record per syscall.
+  SSL_CTX_set_read_ahead(ctx, 1);
+  SSL_CTX_set_default_read_buffer_len(ctx, kReadAheadBytes);
+  if (client) {
+    SSL_CTX_set_psk_client_callback(ctx, client_psk);
+  } else {
+    SSL_CTX_set_psk_server_callback(ctx, server_psk);
+    SSL_CTX_set_num_tickets(ctx, 0);  // no resumption: every connection proves the key afresh
+  }
+  return ctx;
+}
+
+double seconds_left(int64_t deadline_ns) { return static_cast<double>(deadline_ns - now_ns()) / 1e9; }
+
+}  // namespace
+
+// ---- channel ---------------------------------------------------------------
+
+TlsChannel::TlsChannel(SSL* ssl, int fd, double recv_timeout_s, double send_timeout_s)
+    : ssl_(ssl), fd_(fd), recv_timeout_s_(recv_timeout_s), send_timeout_s_(send_timeout_s) {}
+
+TlsChannel::~TlsChannel() { SSL_free(ssl_); }
+
+void TlsChannel::set_timeouts(double recv_s, double send_s) {
+  recv_timeout_s_ = recv_s;
+  send_timeout_s_ = send_s;
+}
+
+bool TlsChannel::wait(Want want, double timeout_s) const {
+  pollfd pfd{fd_, static_cast<short>(want == Want::kRead ? POLLIN : POLLOUT), 0};
+  const int ms = timeout_s > 0 ? std::max(1, static_cast<int>(timeout_s * 1000)) : -1;
+  for (;;) {
+    const int ready = ::poll(&pfd, 1, ms);
+    if (ready > 0) return true;
+    if (ready == 0) return false;
+    if (errno != EINTR) throw TransferError(std::string("poll failed: ") + std::strerror(errno));
+  }
+}
+
+size_t TlsChannel::read(void* data, size_t n, bool dont_wait) {
+  const double timeout = recv_timeout_s_;
+  const int64_t deadline = now_ns() + static_cast<int64_t>(timeout * 1e9);
+  for (;;) {
+    int err;
+    std::string reason;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ERR_clear_error();
+      size_t got = 0;
+      if (!broken_.empty()) throw TlsError(broken_);
+      if (SSL_read_ex(ssl_, data, n, &got) == 1) {
+        // Records already read ahead decrypt straight on: one call takes what has arrived.
+        size_t more = 0;
+        while (got < n && SSL_has_pending(ssl_)) {
+          if (SSL_read_ex(ssl_, static_cast<uint8_t*>(data) + got, n - got, &more) == 1) {
+            got += more;
+          } else {
+            // What came before is authentic and returned; a rejected record fails the next read.
+            if (SSL_get_error(ssl_, 0) == SSL_ERROR_SSL) broken_ = "TLS record rejected: " + openssl_reason();
+            break;
+          }
+        }
+        ERR_clear_error();
+        return got;
+      }
+      err = SSL_get_error(ssl_, 0);
+      if (err == SSL_ERROR_SSL) reason = openssl_reason();
+    }
+    const double left = timeout > 0 ? seconds_left(deadline) : 0;
+    if (timeout > 0 && left <= 0 && !dont_wait) return 0;
+    switch (err) {
+      case SSL_ERROR_WANT_READ:
+        if (dont_wait || !wait(Want::kRead, left)) return 0;
+        break;
+      case SSL_ERROR_WANT_WRITE:
+        if (!wait(Want::kWrite, left)) return 0;
+        break;
+      case SSL_ERROR_ZERO_RETURN:
+      case SSL_ERROR_SYSCALL:
+        throw TransferError("connection closed by peer");
+      default:
+        throw TlsError("TLS record rejected: " + reason);
+    }
+  }
+}
+
+size_t TlsChannel::readv(iovec* iov, int count) {
+  size_t total = read(iov[0].iov_base, iov[0].iov_len, false);
+  if (total == 0) throw TransferError("receive timed out");
+  for (int i = 1; i < count && total == iov[0].iov_len; ++i) {
+    const size_t got = read(iov[i].iov_base, iov[i].iov_len, true);
+    if (got == 0) break;
+    total += got;
+    if (got < iov[i].iov_len) break;
+  }
+  return total;
+}
+
+void TlsChannel::write(const iovec* iov, int count) {
+  std::vector<uint8_t> gathered;  // small pieces share a record instead of paying one each
+  const auto send_bytes = [this](const uint8_t* p, size_t left) {
+    while (left > 0) {
+      int err;
+      std::string reason;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ERR_clear_error();
+        size_t written = 0;
+        if (SSL_write_ex(ssl_, p, left, &written) == 1) {
+          p += written;
+          left -= written;
+          continue;
+        }
+        err = SSL_get_error(ssl_, 0);
+        if (err == SSL_ERROR_SSL) reason = openssl_reason();
+      }
+      if (err == SSL_ERROR_WANT_WRITE || err == SSL_ERROR_WANT_READ) {
+        if (!wait(err == SSL_ERROR_WANT_WRITE ? Want::kWrite : Want::kRead, send_timeout_s_))
+          throw TransferError("send timed out (peer not reading)");
+      } else if (err == SSL_ERROR_SYSCALL || err == SSL_ERROR_ZERO_RETURN) {
+        throw TransferError("connection closed by peer");
+      } else {
+        throw TlsError("TLS write failed: " + reason);
+      }
+    }
+  };
+  const auto flush = [&] {
+    send_bytes(gathered.data(), gathered.size());
+    gathered.clear();
+  };
+  for (int i = 0; i < count; ++i) {
+    const auto* p = static_cast<const uint8_t*>(iov[i].iov_base);
+    const size_t n = iov[i].iov_len;
+    if (n >= kRecordBytes) {
+      flush();
+      send_bytes(p, n);
+    } else {
+      if (gathered.size() + n > kRecordBytes) flush();
+      gathered.insert(gathered.end(), p, p + n);
+    }
+  }
+  flush();
+}
+
+// ---- context ---------------------------------------------------------------
+
+TlsContext::TlsContext(const std::string& auth_token) {
+  if (auth_token.empty()) throw std::invalid_argument("TLS needs an auth token: its pre-shared key comes from it");
+  uint8_t key[32];
+  unsigned int len = sizeof(key);
+  if (HMAC(EVP_sha256(), auth_token.data(), static_cast<int>(auth_token.size()),
+           reinterpret_cast<const uint8_t*>(kPskLabel), sizeof(kPskLabel) - 1, key, &len) == nullptr)
+    throw TlsError("HMAC-SHA256 failed in OpenSSL");
+  psk_.assign(reinterpret_cast<const char*>(key), len);
+  client_ = make_context(true, this);
+  server_ = make_context(false, this);
+}
+
+TlsContext::~TlsContext() {
+  SSL_CTX_free(client_);
+  SSL_CTX_free(server_);
+}
+
+void TlsContext::secure_client(Socket& s, double timeout_s) const { secure(s, client_, true, timeout_s); }
+void TlsContext::secure_server(Socket& s, double timeout_s) const { secure(s, server_, false, timeout_s); }
+
+void TlsContext::secure(Socket& s, SSL_CTX* ctx, bool client, double timeout_s) const {
+  SSL* ssl = SSL_new(ctx);
+  if (ssl == nullptr) throw TlsError("SSL_new failed: " + openssl_reason());
+  auto channel = std::make_unique<TlsChannel>(ssl, s.fd(), timeout_s, timeout_s);
+  fcntl(s.fd(), F_SETFL, fcntl(s.fd(), F_GETFL) | O_NONBLOCK);
+  SSL_set_fd(ssl, s.fd());
+  const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_s * 1e9);
+  for (;;) {
+    ERR_clear_error();
+    const int r = client ? SSL_connect(ssl) : SSL_accept(ssl);
+    if (r == 1) break;
+    const int err = SSL_get_error(ssl, r);
+    const double left = seconds_left(deadline);
+    if (left <= 0) throw TlsError("TLS handshake timed out");
+    if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
+      pollfd pfd{s.fd(), static_cast<short>(err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), 0};
+      ::poll(&pfd, 1, std::max(1, static_cast<int>(left * 1000)));
+      continue;
+    }
+    throw TlsError("TLS handshake failed (is TLS on at both ends, with the same auth token?): " +
+                   (err == SSL_ERROR_SSL ? openssl_reason() : std::string("connection closed")));
+  }
+  s.attach_tls(std::move(channel));
+}
+
+}  // namespace pddcore::transfer
