@@ -61,7 +61,7 @@ EMULATOR_CASES = ["state_machine", "write_chain", "bad_rkey", "out_of_range", "b
 def emulator_test_binary(tmp_path_factory) -> Path:
     binary = cpp_unit.build(tmp_path_factory.mktemp("emu"), "verbs_emulator_test",
                             ["tests/cpp/verbs_emulator_test.cpp", "csrc/transport/rdma/emulator/verbs_emulator.cpp",
-                             "csrc/transport/socket.cpp"])
+                             "csrc/transport/socket.cpp", "csrc/transport/tls.cpp"], libs=("-lssl", "-lcrypto"))
     assert sorted(cpp_unit.cases(binary)) == sorted(EMULATOR_CASES)  # every C++ case runs here
     return binary
 
