@@ -58,27 +58,26 @@ class FakeServer:
         self.listener.close()
 
 
-def test_client_with_a_token_refuses_a_server_that_waives_the_proof():
-    fake = FakeServer(auth_required=False)
+def refused_by_client(fake: FakeServer, match: str) -> FakeServer:
+    """A client with the token connects to ``fake`` and fails with ``match``; returns ``fake``."""
     try:
         with TransferEngine(auth_token=TOKEN, timeout_s=5) as client:
-            with pytest.raises(TransferError, match="does not require authentication"):
+            with pytest.raises(TransferError, match=match):
                 client.connect(fake.address)
     finally:
         fake.close()
+    return fake
+
+
+def test_client_with_a_token_refuses_a_server_that_waives_the_proof():
+    fake = refused_by_client(FakeServer(auth_required=False), "does not require authentication")
     assert len(fake.received) == _HELLO.size  # nothing after the hello: no proof, no message, no data
 
 
 def test_the_token_never_crosses_the_wire():
     """What a client sends is its hello and HMAC-SHA256(token, transcript), checked here
     with Python's hmac; a wrong token is refused by a real engine."""
-    fake = FakeServer(auth_required=True)
-    try:
-        with TransferEngine(auth_token=TOKEN, timeout_s=5) as client:
-            with pytest.raises(TransferError, match="fake server says no"):
-                client.connect(fake.address)
-    finally:
-        fake.close()
+    fake = refused_by_client(FakeServer(auth_required=True), "fake server says no")
     hello, proof = fake.received[:_HELLO.size], fake.received[_HELLO.size:]
     assert proof == hmac.new(TOKEN, b"pddcore client proof" + hello + fake.challenge, hashlib.sha256).digest()
     assert TOKEN not in fake.received
