@@ -1,12 +1,13 @@
 """Workloads: synthetic agentic traffic and JSONL traces.
 
 A :class:`Request` is what arrives at the cluster: arrival time, prompt length, how
-many leading prompt tokens P's prefix cache holds (``cached_tokens``), output length,
-and optionally a ``session``. Requests of one session share prefixes: the first
-``cached_tokens`` tokens of a request are the first tokens of the previous request of
-its session. MD's radix cache is modelled on these session prefixes, so MD hits only
-what it was sent before and has not evicted; a request without a session shares
-nothing with anyone on MD (P's hit still counts).
+many leading prompt tokens an unbounded prefix cache would hold (``cached_tokens``),
+output length, and optionally a ``session``. Requests of one session share prefixes:
+the first ``cached_tokens`` tokens of a request are the first tokens of the previous
+request of its session. P's and MD's radix caches are modelled on these session
+prefixes, so each hits only what it computed or was sent before and has not evicted;
+a request without a session shares nothing with anyone on MD, and P hits its
+``cached_tokens`` as given.
 
 JSONL trace format (one JSON object per line, blank lines allowed, arrivals in
 non-decreasing order)::
