@@ -23,6 +23,7 @@ constexpr char kPskLabel[] = "pddcore tls 1.3 pre-shared key v1";
 // A TLS record carries at most 16 KiB: smaller pieces are gathered into one record.
 constexpr size_t kRecordBytes = 16 << 10;
 constexpr size_t kReadAheadBytes = 256 << 10;
+constexpr long kWriteBufferBytes = 256 << 10;
 
 std::string openssl_reason() {
   const unsigned long code = ERR_get_error();
@@ -205,6 +206,14 @@ void TlsChannel::write(const iovec* iov, int count) {
     }
   }
   flush();
+  for (;;) {  // push the buffered records to the socket
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (BIO_flush(SSL_get_wbio(ssl_)) == 1) return;
+      if (!BIO_should_retry(SSL_get_wbio(ssl_))) throw TransferError("connection closed by peer");
+    }
+    if (!wait(Want::kWrite, send_timeout_s_)) throw TransferError("send timed out (peer not reading)");
+  }
 }
 
 // ---- context ---------------------------------------------------------------
@@ -234,7 +243,17 @@ void TlsContext::secure(Socket& s, SSL_CTX* ctx, bool client, double timeout_s) 
   if (ssl == nullptr) throw TlsError("SSL_new failed: " + openssl_reason());
   auto channel = std::make_unique<TlsChannel>(ssl, s.fd(), timeout_s, timeout_s);
   fcntl(s.fd(), F_SETFL, fcntl(s.fd(), F_GETFL) | O_NONBLOCK);
-  SSL_set_fd(ssl, s.fd());
+  // Records leave through a 256 KiB buffer, flushed at the end of each write: one syscall
+  // carries many 16 KiB records instead of one each.
+  BIO* socket_bio = BIO_new_socket(s.fd(), BIO_NOCLOSE);
+  BIO* buffered = BIO_new(BIO_f_buffer());
+  if (socket_bio == nullptr || buffered == nullptr || BIO_set_write_buffer_size(buffered, kWriteBufferBytes) != 1) {
+    BIO_free(socket_bio);
+    BIO_free(buffered);
+    throw TlsError("cannot set up the TLS socket BIO: " + openssl_reason());
+  }
+  BIO_up_ref(socket_bio);
+  SSL_set_bio(ssl, socket_bio, BIO_push(buffered, socket_bio));
   const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_s * 1e9);
   for (;;) {
     ERR_clear_error();
