@@ -255,3 +255,28 @@ def test_notifications_are_told_apart_from_messages_and_name_their_engine():
             got += receiver.poll_messages(timeout=1.0)
         assert [(m.payload, m.notification, m.sender_engine_id) for m in got] == [
             (b"looks like a notification", False, sender.engine_id), (b"applied", True, sender.engine_id)]
+
+
+def test_idle_data_connections_are_closed_and_redialled_on_demand():
+    """The receiver closes data connections idle for idle_timeout_s; the sender neither
+    fails nor gives the link up, and dials again for its next write."""
+    with TransferEngine(auth_token=TOKEN, idle_timeout_s=0.5) as receiver, \
+            TransferEngine(auth_token=TOKEN, streams=2) as sender:
+        dst, data = bytearray(1 << 20), os.urandom(1 << 20)
+        region = receiver.register(dst, target=True)
+        src = sender.register(bytearray(data))
+        peer = sender.connect(receiver.address)
+        sender.write(peer, src, 0, region.descriptor(), 0, 1 << 20).wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while receiver.stats()["connections_idled"] < 2:  # both streams, after half a second of nothing
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for _ in range(3):  # again and again: an idle close is no failure
+            dst[:] = bytes(len(dst))
+            sender.write(peer, src, 0, region.descriptor(), 0, 1 << 20).wait(timeout=30)
+            assert bytes(dst) == data
+            time.sleep(0.7)
+        assert sender.stats()["transfers_failed"] == 0 and peer.connected
+        with python_handshake(receiver.address, TOKEN, kind=1) as idle:  # authenticated, then silent
+            idle.settimeout(30)
+            assert idle.recv(1) == b""  # closed by the receiver

@@ -27,8 +27,10 @@ Engine::Engine(EngineOptions options) : options_(std::move(options)) {
   if (!(options_.timeout_s > 0)) throw std::invalid_argument("timeout_s must be positive");
   if (options_.rate_limit_bps < 0) throw std::invalid_argument("rate_limit_bps must be positive or 0 (unlimited)");
   if (options_.queue_delay_target_s < 0) throw std::invalid_argument("queue_delay_target_s must be positive or 0 (off)");
-  if (options_.max_connections == 0 || options_.max_connections_per_host == 0 || options_.max_inbox_bytes == 0)
-    throw std::invalid_argument("max_connections, max_connections_per_host and max_inbox_bytes must be positive");
+  if (options_.max_connections == 0 || options_.max_connections_per_host == 0 || options_.max_inbox_bytes == 0 ||
+      !(options_.idle_timeout_s > 0))
+    throw std::invalid_argument(
+        "max_connections, max_connections_per_host, max_inbox_bytes and idle_timeout_s must be positive");
   if (options_.tls && !options_.has_token) throw std::invalid_argument("tls needs an auth_token (its key comes from it)");
   if (options_.tls) tls_ = std::make_unique<TlsContext>(options_.auth_token);
   uint16_t port = 0;
@@ -702,7 +704,8 @@ StatsMap Engine::totals() const {
           {"messages_sent", double(messages_sent_)},
           {"messages_received", double(messages_received_)},
           {"connections_refused", double(connections_refused_)},
-          {"tls_errors", double(tls_errors_)}};
+          {"tls_errors", double(tls_errors_)},
+          {"connections_idled", double(connections_idled_)}};
 }
 
 std::map<std::string, StatsMap> Engine::peer_stats() const {

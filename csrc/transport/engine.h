@@ -127,6 +127,7 @@ class Engine final : public BackendHost {
   RegionPtr find_region(uint64_t region_id) override;
   void chunk_received(uint64_t bytes, wire::AckStatus status) override;
   bool begin_receive(uint64_t sender_engine_id, uint32_t transfer_tag) override;
+  void connection_idled() override { ++connections_idled_; }
   void end_receive(uint64_t sender_engine_id, uint32_t transfer_tag) override;
 
  private:
@@ -214,7 +215,8 @@ class Engine final : public BackendHost {
 
   std::atomic<uint64_t> bytes_sent_{0}, chunks_sent_{0}, bytes_received_{0}, chunks_received_{0}, retries_{0},
       crc_errors_{0}, chunks_rejected_{0}, transfers_done_{0}, transfers_failed_{0}, transfers_cancelled_{0},
-      messages_sent_{0}, messages_received_{0}, connections_refused_{0}, tls_errors_{0};
+      messages_sent_{0}, messages_received_{0}, connections_refused_{0}, tls_errors_{0},
+      connections_idled_{0};
 };
 
 // Creates the backend named in options.backend; throws std::invalid_argument listing

@@ -273,6 +273,8 @@ class TransferEngine:
             (``stats()["connections_refused"]``).
         max_inbox_bytes: received messages and notifications waiting for
             :meth:`poll_messages`; a peer sending more waits until there is room.
+        idle_timeout_s: a data connection that carries nothing this long is closed here
+            (``stats()["connections_idled"]``); a sender dials again when it has chunks.
         rate_limit_bps: pace all outgoing data below this many bits per second (None: no limit).
         queue_delay_target_s: tcp: pace each peer's bulk data to its path, so that the queue
             it builds at the bottleneck stays below about this many seconds (None: off).
@@ -298,7 +300,7 @@ class TransferEngine:
                  rate_limit_bps: float | None = None, max_retries: int = 5, device: str | None = None,
                  ib_port: int = 1, gid_index: int | None = None, queue_delay_target_s: float | None = None,
                  insecure: bool = False, max_connections: int = 1024, max_connections_per_host: int = 256,
-                 max_inbox_bytes: int = 64 << 20, tls: bool = False):
+                 max_inbox_bytes: int = 64 << 20, tls: bool = False, idle_timeout_s: float = 300.0):
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen must be 'host:port', got {listen!r}")
@@ -310,6 +312,8 @@ class TransferEngine:
             raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
                              "without one anybody who reaches the port can write into its target regions. Pass "
                              "auth_token=..., or insecure=True on a network you trust")
+        if not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
         if tls and auth_token is None:
             raise ValueError("tls=True needs an auth_token: the TLS pre-shared key is derived from it")
         for name, v in (("max_connections", max_connections), ("max_connections_per_host", max_connections_per_host),
@@ -330,7 +334,8 @@ class TransferEngine:
                                            float(timeout_s), float(rate_limit_bps or 0.0), max_retries,
                                            device or "", ib_port, -1 if gid_index is None else gid_index,
                                            float(queue_delay_target_s or 0.0), max_connections,
-                                           max_connections_per_host, max_inbox_bytes, bool(tls))
+                                           max_connections_per_host, max_inbox_bytes, bool(tls),
+                                           float(idle_timeout_s))
         self._lock = threading.Lock()
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)

@@ -134,6 +134,9 @@ struct EngineOptions {
   // Bytes of received messages and notifications waiting for poll_messages(); a peer whose
   // next one would exceed it waits (its control connection stalls) until there is room.
   uint64_t max_inbox_bytes = 64ull << 20;
+  // A data connection that carries nothing for this long is closed by the receiver; the
+  // sender dials again when it has chunks for that stream.
+  double idle_timeout_s = 300.0;
   // RDMA backend: device name ("": first device; "emulator": the verbs emulator), port, GID index (-1: auto).
   std::string rdma_device;
   uint8_t ib_port = 1;
@@ -165,6 +168,8 @@ class BackendHost {
   // Receiver side of cancel fences: a chunk of (sender engine, transfer tag) is about to be
   // written (false: that transfer is fenced, drop the chunk), and is done being written.
   virtual bool begin_receive(uint64_t sender_engine_id, uint32_t transfer_tag) = 0;
+  // A served connection was closed for carrying nothing for idle_timeout_s.
+  virtual void connection_idled() = 0;
   virtual void end_receive(uint64_t sender_engine_id, uint32_t transfer_tag) = 0;
 };
 

@@ -191,9 +191,20 @@ void TcpBackend::run_stream(const LinkPtr& link, Stream& stream) {
     } catch (const std::exception& e) {
       why = e.what();
     }
+    bool idle;  // nothing was lost: the receiver closed a connection that carried nothing
+    {
+      std::lock_guard<std::mutex> lock(link->mutex);
+      idle = stream.inflight.empty() && link->queue.empty();
+    }
     requeue_inflight(*link, stream, why);
     std::unique_lock<std::mutex> lock(link->mutex);
     if (link->stopping) return;
+    if (idle) {  // dial again once there is something to send
+      failures = 0;
+      link->cv.wait(lock, [&] { return link->stopping || !link->queue.empty(); });
+      if (link->stopping) return;
+      continue;
+    }
     failures = progressed ? 1 : failures + 1;
     if (failures > max_failures) {
       if (--link->live_streams == 0) {
@@ -538,19 +549,30 @@ void TcpBackend::add_peer_stats(uint64_t peer_key, std::map<std::string, double>
 // ---- receiver --------------------------------------------------------------
 
 void TcpBackend::serve(const Socket& socket, const PeerInfo& from) {
-  socket.set_timeouts(host_.options().timeout_s, host_.options().timeout_s);
+  const double idle_limit_s = host_.options().idle_timeout_s;
+  // Wake at least every timeout_s to check the idle limit (and at the limit, if shorter).
+  const double wake_s = std::min(host_.options().timeout_s, idle_limit_s);
+  socket.set_timeouts(wake_s, host_.options().timeout_s);
   std::vector<uint8_t> scratch;
   AckBatch acks(socket);
   uint8_t header_bytes[wire::ChunkHeader::kSize];
   size_t prefetched = 0;  // bytes of the next header that arrived with the last payload
+  int64_t last_frame_ns = now_ns();
   for (;;) {
     if (prefetched > 0) {
       socket.recv_all(header_bytes + prefetched, sizeof(header_bytes) - prefetched);
       prefetched = 0;
     } else if (acks.empty() || !socket.poll_frame(header_bytes, sizeof(header_bytes))) {
       acks.flush();  // nothing more queued: the sender is waiting for these
-      if (!socket.recv_frame(header_bytes, sizeof(header_bytes))) continue;  // idle; close() shuts it down
+      if (!socket.recv_frame(header_bytes, sizeof(header_bytes))) {
+        if (static_cast<double>(now_ns() - last_frame_ns) / 1e9 >= idle_limit_s) {
+          host_.connection_idled();
+          return;  // idle too long: closed; the sender dials again when it has work
+        }
+        continue;
+      }
     }
+    last_frame_ns = now_ns();
     wire::ChunkHeader header;
     wire::AckStatus status = header.decode(header_bytes);
     if (status != wire::AckStatus::kOk) {
