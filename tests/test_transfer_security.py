@@ -99,8 +99,13 @@ def test_write_into_a_source_region_is_refused_and_changes_nothing():
         assert bytes(secret) == before
         assert owner.stats()["chunks_rejected"] >= 1
         target = owner.register(bytearray(4096), target=True)
-        listed = other.remote_regions(peer)
-        assert [r[0] for r in listed] == [target.id]  # sources are never listed
+        assert [(r[0], r[1]) for r in other.remote_regions(peer)] == [(target.id, 0)]  # no source, no address
+        pointed = torch.zeros(64, dtype=torch.uint8)  # a pointer-addressed API lists its address on purpose
+        by_pointer = owner.register_pointer(pointed.data_ptr(), 64, target=True, listed_address=True,
+                                            keep_alive=pointed)
+        assert (by_pointer.id, pointed.data_ptr(), 64) in other.remote_regions(peer)
+        with pytest.raises(ValueError, match="only a write target"):
+            owner.register_pointer(pointed.data_ptr(), 64, listed_address=True)
 
 
 def test_engine_reachable_from_other_hosts_needs_a_token():

@@ -77,7 +77,8 @@ void bind_transfer(nb::module_& m) {
       .def_prop_ro("engine_id", &Engine::engine_id)
       .def_prop_ro("backend", &Engine::backend_name)
       .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
-      .def("register_memory", &Engine::register_memory, nb::arg("base"), nb::arg("size"), nb::arg("target"))
+      .def("register_memory", &Engine::register_memory, nb::arg("base"), nb::arg("size"), nb::arg("target"),
+           nb::arg("listed_address"))
       .def("unregister_memory", &Engine::unregister_memory, nb::arg("region_id"),
            nb::call_guard<nb::gil_scoped_release>())
       .def("connect", &Engine::connect, nb::arg("address"), nb::arg("backend") = "",

@@ -95,7 +95,8 @@ void Engine::close() {
 
 // ---- regions ---------------------------------------------------------------
 
-uint64_t Engine::register_memory(uintptr_t base, uint64_t size, bool target) {
+uint64_t Engine::register_memory(uintptr_t base, uint64_t size, bool target, bool listed_address) {
+  if (listed_address && !target) throw std::invalid_argument("only a write target is listed, with or without address");
   if (closing_) throw TransferError("engine is closed");
   if (base == 0 || size == 0) throw std::invalid_argument("cannot register an empty or null memory range");
   const bool on_device = is_device_memory(reinterpret_cast<const void*>(base));
@@ -106,7 +107,8 @@ uint64_t Engine::register_memory(uintptr_t base, uint64_t size, bool target) {
                                 "backend with GPUDirect");
   std::lock_guard<std::mutex> lock(regions_mutex_);
   auto region =
-      std::make_shared<const Region>(Region{next_region_id_++, reinterpret_cast<uint8_t*>(base), size, on_device, target});
+      std::make_shared<const Region>(Region{next_region_id_++, reinterpret_cast<uint8_t*>(base), size, on_device, target,
+                                            listed_address});
   for (auto& backend : backends_) backend->register_memory(region);
   regions_.emplace(region->id, region);
   return region->id;
@@ -318,7 +320,8 @@ void Engine::serve_control(const Socket& s, const std::string& from, uint64_t fr
         for (const auto& [id, region] : regions_) {
           if (!region->target) continue;
           uint8_t entry[wire::RegionEntry::kSize];
-          wire::Writer(entry).put(id).put(reinterpret_cast<uint64_t>(region->base)).put(region->size);
+          const uint64_t address = region->listed_address ? reinterpret_cast<uint64_t>(region->base) : 0;
+          wire::Writer(entry).put(id).put(address).put(region->size);
           reply_body.append(reinterpret_cast<const char*>(entry), sizeof(entry));
         }
         break;

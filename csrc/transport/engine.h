@@ -88,7 +88,8 @@ class Engine final : public BackendHost {
   const char* backend_name() const;
 
   // target: peers may write into the region; otherwise it is a source, only read here.
-  uint64_t register_memory(uintptr_t base, uint64_t size, bool target);
+  // listed_address: a target's listing shows its virtual address (else 0).
+  uint64_t register_memory(uintptr_t base, uint64_t size, bool target, bool listed_address);
   // Refuses while the region is the source of an active transfer; otherwise waits (up to
   // timeout_s) until no chunk reads or writes it any more.
   void unregister_memory(uint64_t region_id);

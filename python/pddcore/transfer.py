@@ -376,18 +376,21 @@ class TransferEngine:
         base, nbytes, keep = _buffer_address(memory)
         if nbytes == 0:
             raise ValueError("cannot register an empty buffer")
-        return self._add_region(base, nbytes, target, keep)
+        return self._add_region(base, nbytes, target, False, keep)
 
-    def register_pointer(self, base: int, nbytes: int, *, target: bool = False, keep_alive: Any = None) -> Region:
+    def register_pointer(self, base: int, nbytes: int, *, target: bool = False, listed_address: bool = False,
+                         keep_alive: Any = None) -> Region:
         """Registers raw memory by address (``target`` as in :meth:`register`). The caller
         keeps that memory alive until :meth:`unregister`, or passes an owner of it as
-        ``keep_alive`` for the region to hold."""
+        ``keep_alive`` for the region to hold. ``listed_address=True`` (targets only): peers'
+        :meth:`remote_regions` show its virtual address, for pointer-addressed APIs."""
         if base <= 0 or nbytes <= 0:
             raise ValueError(f"bad memory range: base={base:#x} nbytes={nbytes}")
-        return self._add_region(base, nbytes, target, keep_alive)
+        return self._add_region(base, nbytes, target, listed_address, keep_alive)
 
-    def _add_region(self, base: int, nbytes: int, target: bool, keep: Any) -> Region:
-        region = Region(self, self._core.register_memory(base, nbytes, bool(target)), base, nbytes, bool(target), keep)
+    def _add_region(self, base: int, nbytes: int, target: bool, listed_address: bool, keep: Any) -> Region:
+        region = Region(self, self._core.register_memory(base, nbytes, bool(target), bool(listed_address)), base,
+                        nbytes, bool(target), keep)
         with self._lock:
             self._regions[region.id] = region
         return region
@@ -473,8 +476,9 @@ class TransferEngine:
         return [Message(*m) for m in self._core.poll_messages(float(timeout))]
 
     def remote_regions(self, peer: Peer) -> list[tuple[int, int, int]]:
-        """The peer's write targets as ``(region_id, base_address, nbytes)`` (its sources are
-        never listed), for adapters that address a peer's memory by pointer."""
+        """The peer's write targets as ``(region_id, base_address, nbytes)``; ``base_address``
+        is 0 unless the peer registered the region with ``listed_address=True``, and sources
+        are never listed."""
         return self._core.remote_regions(peer._handle)
 
     # -- stats ----------------------------------------------------------------------------

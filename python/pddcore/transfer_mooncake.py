@@ -76,7 +76,8 @@ class MooncakeCompatEngine:
     # -- registration ----------------------------------------------------------------
 
     def register(self, ptr: int, length: int) -> int:
-        region = self.engine.register_pointer(ptr, length, target=True)  # mooncake: peers write registered memory
+        # Mooncake's API: peers write registered memory, addressed by its virtual address.
+        region = self.engine.register_pointer(ptr, length, target=True, listed_address=True)
         with self._lock:
             self._local[ptr] = region
         return 0

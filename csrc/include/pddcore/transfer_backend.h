@@ -39,6 +39,7 @@ struct Region {
   uint64_t size;
   bool on_device = false;  // GPU memory: only a path that bypasses the CPU (RDMA) may touch it
   bool target = false;     // peers may write into it; a source is only read by this engine
+  bool listed_address = false;  // a target whose virtual address its listing shows (pointer-addressed peers)
 };
 using RegionPtr = std::shared_ptr<const Region>;
 

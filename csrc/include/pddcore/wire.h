@@ -304,7 +304,7 @@ struct ControlHeader {
 struct RegionEntry {
   static constexpr size_t kSize = 24;
   uint64_t region_id = 0;
-  uint64_t base_address = 0;  // the owner's virtual address (for pointer-addressed adapters)
+  uint64_t base_address = 0;  // the owner's virtual address if it chose to list it, else 0
   uint64_t size = 0;
 };
 
