@@ -22,6 +22,7 @@ std::string to_string(const nb::bytes& b) { return std::string(b.c_str(), b.size
 }  // namespace
 
 void bind_transfer(nb::module_& m) {
+  m.def("aes_gcm_seal_rate", &aes_gcm_seal_rate, nb::arg("total_bytes"), nb::call_guard<nb::gil_scoped_release>());
   nb::exception<TransferError>(m, "TransferError", PyExc_RuntimeError);
 
   nb::class_<Peer>(m, "PeerHandle")

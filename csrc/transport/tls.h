@@ -80,4 +80,8 @@ class TlsContext {
   SSL_CTX* server_ = nullptr;
 };
 
+// Bytes per second one core seals (encrypts and tags) with TLS 1.3's AES-128-GCM, in
+// 16 KiB records, over `total_bytes`: what a TLS sender's cipher alone could carry.
+double aes_gcm_seal_rate(uint64_t total_bytes);
+
 }  // namespace pddcore::transfer
