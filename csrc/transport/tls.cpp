@@ -132,15 +132,15 @@ size_t TlsChannel::read(void* data, size_t n, bool dont_wait) {
       err = SSL_get_error(ssl_, 0);
       if (err == SSL_ERROR_SSL) reason = openssl_reason();
     }
-    const double left = timeout > 0 ? seconds_left(deadline) : 0;
-    if (timeout > 0 && left <= 0 && !dont_wait) return 0;
     switch (err) {
       case SSL_ERROR_WANT_READ:
-        if (dont_wait || !wait(Want::kRead, left)) return 0;
+      case SSL_ERROR_WANT_WRITE: {  // 0 ("nothing yet") when the receive timeout passes first
+        if (dont_wait && err == SSL_ERROR_WANT_READ) return 0;
+        const double left = timeout > 0 ? seconds_left(deadline) : 0;
+        if (timeout > 0 && left <= 0) return 0;
+        if (!wait(err == SSL_ERROR_WANT_READ ? Want::kRead : Want::kWrite, left)) return 0;
         break;
-      case SSL_ERROR_WANT_WRITE:
-        if (!wait(Want::kWrite, left)) return 0;
-        break;
+      }
       case SSL_ERROR_ZERO_RETURN:
       case SSL_ERROR_SYSCALL:
         throw TransferError("connection closed by peer");
