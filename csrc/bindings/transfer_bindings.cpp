@@ -45,7 +45,7 @@ void bind_transfer(nb::module_& m) {
              uint32_t chunk_bytes, std::optional<nb::bytes> auth_token, double timeout_s, double rate_limit_bps,
              uint32_t max_retries, const std::string& rdma_device, uint8_t ib_port, int gid_index,
              double queue_delay_target_s, uint32_t max_connections, uint32_t max_connections_per_host,
-             uint64_t max_inbox_bytes, bool tls, double idle_timeout_s) {
+             uint64_t max_inbox_bytes, bool tls, double idle_timeout_s, const std::string& congestion_control) {
             EngineOptions o;
             o.backend = backend;
             o.listen_host = host;
@@ -66,6 +66,7 @@ void bind_transfer(nb::module_& m) {
             o.max_inbox_bytes = max_inbox_bytes;
             o.tls = tls;
             o.idle_timeout_s = idle_timeout_s;
+            o.congestion_control = congestion_control;
             nb::gil_scoped_release release;
             new (self) Engine(std::move(o));
           },
@@ -73,7 +74,7 @@ void bind_transfer(nb::module_& m) {
           nb::arg("auth_token").none(), nb::arg("timeout_s"), nb::arg("rate_limit_bps"), nb::arg("max_retries"),
           nb::arg("rdma_device") = "", nb::arg("ib_port") = 1, nb::arg("gid_index") = -1,
           nb::arg("queue_delay_target_s"), nb::arg("max_connections"), nb::arg("max_connections_per_host"),
-          nb::arg("max_inbox_bytes"), nb::arg("tls"), nb::arg("idle_timeout_s"))
+          nb::arg("max_inbox_bytes"), nb::arg("tls"), nb::arg("idle_timeout_s"), nb::arg("congestion_control"))
       .def_prop_ro("address", &Engine::address)
       .def_prop_ro("engine_id", &Engine::engine_id)
       .def_prop_ro("backend", &Engine::backend_name)

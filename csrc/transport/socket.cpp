@@ -85,6 +85,12 @@ void Socket::set_timeouts(double recv_s, double send_s) const {
   setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &s, sizeof(s));
 }
 
+void Socket::set_congestion_control(const std::string& name) const {
+  if (setsockopt(fd_, IPPROTO_TCP, TCP_CONGESTION, name.data(), static_cast<socklen_t>(name.size())) != 0)
+    throw std::invalid_argument("congestion control '" + name + "' is not available: " + std::strerror(errno) +
+                                " (see /proc/sys/net/ipv4/tcp_available_congestion_control)");
+}
+
 void Socket::set_nodelay() const {
   const int one = 1;
   setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));

@@ -33,6 +33,9 @@ class Socket {
   // Deadline for each blocking recv/send; 0 disables it.
   void set_timeouts(double recv_s, double send_s) const;
   void set_nodelay() const;
+  // TCP_CONGESTION: the kernel's congestion control for this connection ("cubic", "bbr", ...);
+  // throws std::invalid_argument when the kernel does not offer it.
+  void set_congestion_control(const std::string& name) const;
   // From now on every byte goes through this TLS session (see tls.h).
   void attach_tls(std::unique_ptr<TlsChannel> channel);
   bool encrypted() const { return tls_ != nullptr; }

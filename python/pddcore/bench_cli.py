@@ -30,10 +30,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from .benchmarks import (crc_cases, extend_cases, handoff_cases, pack_cases, radix_cases, rdma_cases, tls_cases,
-                         transfer_cases)
+from .benchmarks import (crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, radix_cases, rdma_cases,
+                         tls_cases, transfer_cases)
 
-CASES = ("pack", "transfer", "tls", "wan", "handoff", "extend", "radix")
+CASES = ("pack", "transfer", "tls", "wan", "loss", "handoff", "extend", "radix")
 
 
 @dataclass
@@ -168,6 +168,19 @@ def case_wan(quick: bool, backend: str) -> CaseOutput:
                       f"per core = {line.ratio_1g:.2f}x the rate 1 Gbit/s needs", rows)
 
 
+def case_loss(quick: bool, backend: str) -> CaseOutput:
+    _need_wan()
+    if backend != "tcp":
+        raise Skipped("the WAN path is tcp")
+    losses = (0.001,) if quick else loss_cases.LOSSES
+    results = [r for loss in losses
+               for r in _in_fresh_process(loss_cases.loss_case, loss, nbytes=(32 << 20) if quick or loss >= 0.01
+                                          else (128 << 20))]
+    rows = [Row("loss", f"{100 * r.loss:g} % loss, {r.congestion_control}, {r.rtt_ms:g} ms RTT", r.goodput_gbps,
+                "line rate", r.rate_bps / 1e9, "Gbit/s") for r in results]
+    return CaseOutput({"points": [r.as_dict() for r in results]}, loss_cases.format_table(results), rows)
+
+
 def case_handoff(quick: bool, backend: str) -> CaseOutput:
     _need_wan()
     # Full: each model under background bulk (the report's setting), then on an idle link
@@ -233,8 +246,8 @@ def case_tls(quick: bool, backend: str) -> CaseOutput:
 
 
 RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {
-    "pack": case_pack, "transfer": case_transfer, "tls": case_tls, "wan": case_wan, "handoff": case_handoff,
-    "extend": case_extend, "radix": case_radix,
+    "pack": case_pack, "transfer": case_transfer, "tls": case_tls, "wan": case_wan, "loss": case_loss,
+    "handoff": case_handoff, "extend": case_extend, "radix": case_radix,
 }
 
 

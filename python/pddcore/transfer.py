@@ -59,7 +59,8 @@ import torch
 
 from . import _C
 
-__all__ = ["TransferEngine", "Region", "Peer", "Transfer", "TransferError", "RegionDescriptor", "Message"]
+__all__ = ["TransferEngine", "Region", "Peer", "Transfer", "TransferError", "RegionDescriptor", "Message",
+           "available_congestion_controls"]
 
 TransferError = _C.TransferError
 TransferError.__doc__ = "A transfer, connection or handshake failed; the message names the cause."
@@ -99,6 +100,15 @@ class RegionDescriptor:
         if len(data) != _DESCRIPTOR.size + addr_len:
             raise ValueError("region descriptor has a bad length")
         return cls(data[_DESCRIPTOR.size:].decode(), engine_id, region_id, size)
+
+
+def available_congestion_controls() -> list[str]:
+    """The TCP congestion controls this kernel offers (``TransferEngine(congestion_control=...)``)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
 
 
 def _is_loopback(host: str) -> bool:
@@ -273,6 +283,9 @@ class TransferEngine:
             (``stats()["connections_refused"]``).
         max_inbox_bytes: received messages and notifications waiting for
             :meth:`poll_messages`; a peer sending more waits until there is room.
+        congestion_control: the kernel's TCP congestion control for the data connections this
+            engine dials (``"cubic"``, ``"bbr"``, ...; see :func:`available_congestion_controls`);
+            None: the system default. It governs how a lossy, long path is filled.
         idle_timeout_s: a data connection that carries nothing this long is closed here
             (``stats()["connections_idled"]``); a sender dials again when it has chunks.
         rate_limit_bps: pace all outgoing data below this many bits per second (None: no limit).
@@ -300,7 +313,8 @@ class TransferEngine:
                  rate_limit_bps: float | None = None, max_retries: int = 5, device: str | None = None,
                  ib_port: int = 1, gid_index: int | None = None, queue_delay_target_s: float | None = None,
                  insecure: bool = False, max_connections: int = 1024, max_connections_per_host: int = 256,
-                 max_inbox_bytes: int = 64 << 20, tls: bool = False, idle_timeout_s: float = 300.0):
+                 max_inbox_bytes: int = 64 << 20, tls: bool = False, idle_timeout_s: float = 300.0,
+                 congestion_control: str | None = None):
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen must be 'host:port', got {listen!r}")
@@ -312,6 +326,9 @@ class TransferEngine:
             raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
                              "without one anybody who reaches the port can write into its target regions. Pass "
                              "auth_token=..., or insecure=True on a network you trust")
+        if congestion_control is not None and congestion_control not in available_congestion_controls():
+            raise ValueError(f"congestion_control {congestion_control!r} is not offered by this kernel; "
+                             f"available: {', '.join(available_congestion_controls())}")
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
         if tls and auth_token is None:
@@ -335,7 +352,7 @@ class TransferEngine:
                                            device or "", ib_port, -1 if gid_index is None else gid_index,
                                            float(queue_delay_target_s or 0.0), max_connections,
                                            max_connections_per_host, max_inbox_bytes, bool(tls),
-                                           float(idle_timeout_s))
+                                           float(idle_timeout_s), congestion_control or "")
         self._lock = threading.Lock()
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)

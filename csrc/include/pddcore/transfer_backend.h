@@ -123,6 +123,7 @@ struct EngineOptions {
   bool has_token = false;
   std::string auth_token;
   bool tls = false;  // TLS 1.3 on every connection, keyed by the auth token (tls.h)
+  std::string congestion_control;  // TCP_CONGESTION of the data connections we dial ("": the kernel's default)
   double timeout_s = 30.0;
   double rate_limit_bps = 0.0;  // bits per second; 0: unlimited
   // TCP: pace each peer's bulk data so the path's queueing delay stays near this (0: off).

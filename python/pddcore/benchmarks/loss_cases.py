@@ -1,0 +1,87 @@
+"""Goodput on a lossy long path, per TCP congestion control, as a ratio to the line rate.
+
+Through :class:`~pddcore.testing.wan.WanLink` (the delay line drops each packet with the
+given probability), one engine writes ``nbytes`` to another as one write over ``streams``
+connections whose congestion control is set with ``TransferEngine(congestion_control=...)``;
+a small write first opens the connections, so slow start of the timed write is counted but
+not the handshakes. The bandwidth-delay product is reported beside each row.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from .auth import bench_token
+from .transfer_cases import desc_address, engine_sink, read_info
+
+LOSSES = (0.0001, 0.001, 0.01)
+
+
+@dataclass
+class LossResult:
+    rate_bps: float
+    rtt_ms: float
+    loss: float
+    congestion_control: str
+    streams: int
+    nbytes: int
+    goodput_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.goodput_gbps * 1e9 / self.rate_bps
+
+    @property
+    def bdp_bytes(self) -> float:
+        return self.rate_bps / 8 * self.rtt_ms / 1000
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio_to_line_rate": self.ratio, "bdp_bytes": self.bdp_bytes}
+
+
+def _source(info_path: str, nbytes: int, streams: int, chunk_bytes: int, congestion_control: str) -> float:
+    """Runs in namespace a: seconds for one write of ``nbytes``."""
+    import numpy as np
+
+    from pddcore.transfer import TransferEngine
+
+    desc = bytes.fromhex(read_info(info_path))
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    with TransferEngine(streams=streams, chunk_bytes=chunk_bytes, auth_token=bench_token(),
+                        congestion_control=congestion_control) as engine:
+        src = engine.register(data)
+        peer = engine.connect(desc_address(desc))
+        engine.write(peer, src, 0, desc, 0, min(nbytes, streams * chunk_bytes)).wait()
+        start = time.perf_counter()
+        engine.write(peer, src, 0, desc, 0, nbytes).wait()
+        seconds = time.perf_counter() - start
+        engine.send(peer, b"exit")
+    return seconds
+
+
+def loss_case(loss: float, congestion_controls=("cubic", "bbr"), rate: str = "1gbit", delay_ms: float = 25.0,
+              nbytes: int = 128 << 20, streams: int = 4, chunk_bytes: int = 1 << 20) -> list[LossResult]:
+    from ..testing.wan import WanLink
+
+    results = []
+    with WanLink(rate=rate, delay_ms=delay_ms, loss=loss, seed=1) as link:
+        for i, cc in enumerate(congestion_controls):
+            with tempfile.TemporaryDirectory() as tmp:
+                info = os.path.join(tmp, "sink")
+                sink = link.b.spawn(engine_sink, f"{link.b.address}:{9400 + i}", nbytes, info)
+                seconds = link.a.call(_source, info, nbytes, streams, chunk_bytes, cc, timeout=600)
+                sink.result(60)
+            results.append(LossResult(link.rate_bps, 2 * delay_ms, loss, cc, streams, nbytes,
+                                      nbytes * 8 / seconds / 1e9))
+    return results
+
+
+def format_table(results: list[LossResult]) -> str:
+    lines = ["rate      RTT    loss     cc     streams  goodput      x line   BDP"]
+    for r in results:
+        lines.append(f"{r.rate_bps / 1e9:>4.1f} Gb/s {r.rtt_ms:>4.0f} ms {100 * r.loss:>6.3f} % {r.congestion_control:<6} "
+                     f"{r.streams:>7}  {r.goodput_gbps:>6.3f} Gb/s  {r.ratio:>6.3f}  {r.bdp_bytes / 2**20:.1f} MiB")
+    return "\n".join(lines)

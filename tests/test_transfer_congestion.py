@@ -1,0 +1,36 @@
+"""TransferEngine(congestion_control=...): the kernel's TCP congestion control of the data
+connections an engine dials, checked on the live sockets with ss(8)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from pddcore.transfer import TransferEngine, available_congestion_controls
+
+pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read the sockets")
+
+
+@pytest.mark.parametrize("cc", [c for c in ("reno", "bbr", "cubic") if c in available_congestion_controls()])
+def test_data_connections_use_the_chosen_congestion_control(cc):
+    with TransferEngine(auth_token=b"cc") as receiver, \
+            TransferEngine(auth_token=b"cc", streams=3, congestion_control=cc) as sender:
+        dst = torch.zeros(1 << 20, dtype=torch.uint8)
+        region = receiver.register(dst, target=True)
+        src = sender.register(torch.full((1 << 20,), 7, dtype=torch.uint8))
+        sender.write(sender.connect(receiver.address), src, 0, region.descriptor(), 0, 1 << 20).wait(timeout=30)
+        assert int(dst.eq(7).sum()) == 1 << 20
+        port = receiver.address.rsplit(":", 1)[1]
+        out = subprocess.run(["ss", "-tin", "state", "established", "dport", f"= :{port}"], capture_output=True,
+                             text=True, check=True).stdout
+        algorithms = [line.split()[0] for line in out.splitlines() if line.startswith(("\t", " ")) and "rtt:" in line]
+        # One control connection (the system default) and three data connections with ``cc``.
+        assert algorithms.count(cc) >= 3, out
+
+
+def test_unknown_congestion_control_is_refused():
+    with pytest.raises(ValueError, match="not offered by this kernel"):
+        TransferEngine(congestion_control="no-such-cc")
