@@ -594,7 +594,7 @@ void Engine::end_receive(uint64_t sender_engine_id, uint32_t transfer_tag) {
   fence_cv_.notify_all();
 }
 
-bool Engine::finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
+void Engine::finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
                              PeerPtr peer) {
   {
     std::lock_guard<std::mutex> lock(transfers_mutex_);
@@ -605,17 +605,16 @@ bool Engine::finish_transfer(const TransferPtr& transfer, TransferStatus status,
     }
   }
   if (!peer) peer = find_peer(transfer->peer_key);  // a cancel or timeout that raced with the completion path
-  if (!transfer->finish(status, error)) return false;
+  if (!transfer->finish(status, error)) return;
   if (status != TransferStatus::kDone)
     for (auto& backend : backends_) backend->purge(*transfer);
   (status == TransferStatus::kDone ? transfers_done_
    : status == TransferStatus::kFailed ? transfers_failed_
                                         : transfers_cancelled_)++;
-  if (!peer) return true;
+  if (!peer) return;
   (status == TransferStatus::kDone ? peer->transfers_done : peer->transfers_failed)++;
   std::lock_guard<std::mutex> lock(peer->busy_mutex);
   if (--peer->active_transfers == 0) peer->busy_total_ns += now_ns() - peer->busy_since_ns;
-  return true;
 }
 
 PeerPtr Engine::find_peer(uint64_t peer_key) const {

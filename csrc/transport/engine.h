@@ -156,10 +156,9 @@ class Engine final : public BackendHost {
   void read_control_replies(const PeerPtr& peer);
   void watchdog_loop();
   void send_control(Peer& peer, wire::ControlType type, const std::string& payload);
-  // Ends a transfer once: records stats, unpins, purges the backend's queues; false when it
-  // had ended already. `peer` is needed only once the transfer has left active_ (its
-  // completion path).
-  bool finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
+  // Ends a transfer once: records stats, unpins, purges the backend's queues.
+  // `peer` is needed only once the transfer has left active_ (its completion path).
+  void finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
                        PeerPtr peer = nullptr);
   void complete_transfer(ActiveTransfer active);
   PeerPtr find_peer(uint64_t peer_key) const;

@@ -127,11 +127,9 @@ static std::string device_source(const std::vector<WriteChunk>& chunks) {
 void TcpBackend::post(uint64_t peer_key, std::vector<WriteChunk> chunks) {
   LinkPtr link = find_link(peer_key);
   std::string dead = device_source(chunks);
-  if (!dead.empty()) {
-    // refused before anything is queued
-  } else if (!link) {
+  if (dead.empty() && !link) {
     dead = "peer is not connected";
-  } else {
+  } else if (dead.empty()) {
     std::lock_guard<std::mutex> lock(link->mutex);
     if (!link->dead_reason.empty() || link->stopping) {
       dead = link->dead_reason.empty() ? "peer is disconnected" : link->dead_reason;
@@ -558,7 +556,7 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo& from) {
   AckBatch acks(socket);
   uint8_t header_bytes[wire::ChunkHeader::kSize];
   size_t prefetched = 0;  // bytes of the next header that arrived with the last payload
-  int64_t last_frame_ns = now_ns();
+  double idle_s = 0;  // since the last frame, counted in receive timeouts (no clock read per chunk)
   for (;;) {
     if (prefetched > 0) {
       socket.recv_all(header_bytes + prefetched, sizeof(header_bytes) - prefetched);
@@ -566,14 +564,15 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo& from) {
     } else if (acks.empty() || !socket.poll_frame(header_bytes, sizeof(header_bytes))) {
       acks.flush();  // nothing more queued: the sender is waiting for these
       if (!socket.recv_frame(header_bytes, sizeof(header_bytes))) {
-        if (static_cast<double>(now_ns() - last_frame_ns) / 1e9 >= idle_limit_s) {
+        idle_s += wake_s;
+        if (idle_s >= idle_limit_s) {
           host_.connection_idled();
           return;  // idle too long: closed; the sender dials again when it has work
         }
         continue;
       }
     }
-    last_frame_ns = now_ns();
+    idle_s = 0;
     wire::ChunkHeader header;
     wire::AckStatus status = header.decode(header_bytes);
     if (status != wire::AckStatus::kOk) {
