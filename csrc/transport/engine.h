@@ -1,14 +1,17 @@
-// The transfer engine core, shared by every backend: registered regions, peers and their
-// control connections (priority messages, notifications, pings), the authenticated
-// listener, transfers and their deadlines, the rate limit and stats. Data moves through
-// a TransferBackend (tcp/ here).
+// The transfer engine core, shared by every backend: it ties the parts together (region
+// registry, listener, control connections, transfers, watchdog, rate limit, stats) and
+// implements the BackendHost a backend sees. Data moves through a TransferBackend
+// (tcp/, rdma/). Its methods live in one file per job:
+//   engine.cpp            lifecycle, regions, peers and their connections
+//   engine_control.cpp    the control protocol (messages, notifications, pings, fences, listings)
+//   engine_transfers.cpp  transfer bookkeeping: write_batch, per-chunk progress, cancel, completion
+//   engine_watchdog.cpp   stalled transfers and keep-alive pings
+//   engine_stats.cpp      the stats() numbers and test hooks
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,8 +23,13 @@
 #include <utility>
 #include <vector>
 
+#include "connection_server.h"
+#include "fence_table.h"
 #include "handshake.h"
+#include "inbox.h"
 #include "pddcore/transfer_backend.h"
+#include "rate_limiter.h"
+#include "region_registry.h"
 #include "socket.h"
 #include "tls.h"
 
@@ -63,15 +71,6 @@ struct Peer {
 using PeerPtr = std::shared_ptr<Peer>;
 
 using StatsMap = std::map<std::string, double>;
-
-// A received priority-lane message or write notification.
-struct InboxEntry {
-  std::string sender;        // the sender engine's listen address (reachable: a wildcard host is
-                             // replaced by the address the connection came from)
-  uint64_t sender_engine_id; // from its hello, which the token's HMAC covers
-  std::string payload;
-  bool notification;         // the notify of a write whose every byte was applied, not a message
-};
 
 class Engine final : public BackendHost {
  public:
@@ -139,23 +138,17 @@ class Engine final : public BackendHost {
     std::vector<uint64_t> source_regions;
     std::vector<bool> chunk_acked;
   };
-  struct Connection {
-    Socket socket;
-    std::string host;  // the client's IP address
-    std::thread thread;
-    std::atomic<bool> done{false};
-  };
 
-  void accept_loop();
-  // Serves an accepted connection on its own thread, or closes it when the caps are reached.
-  void admit(Socket socket);
-  void serve_connection(Connection* conn);
+  // Serves an accepted connection: TLS, the handshake, then control or a backend's data.
+  void serve_connection(Socket& socket, const std::string& host);
   void serve_control(const Socket& s, const std::string& from, uint64_t from_engine_id);
-  // Receiver: drops (sender, tag)'s chunks from now on; returns once none is being written.
-  void install_fence(uint64_t sender_engine_id, uint32_t transfer_tag);
   void read_control_replies(const PeerPtr& peer);
   void watchdog_loop();
+  void fail_stalled_transfers(int64_t now);
+  void ping_peers();
   void send_control(Peer& peer, wire::ControlType type, const std::string& payload);
+  // A ping carrying the send time; the pong's echo gives the peer's RTT.
+  void send_ping(Peer& peer);
   // Ends a transfer once: records stats, unpins, purges the backend's queues.
   // `peer` is needed only once the transfer has left active_ (its completion path).
   void finish_transfer(const TransferPtr& transfer, TransferStatus status, const std::string& error,
@@ -174,14 +167,11 @@ class Engine final : public BackendHost {
   std::mutex close_mutex_;
   bool closed_ = false;
 
-  Socket listener_;
-  std::thread accept_thread_;
-  std::mutex connections_mutex_;
-  std::list<std::unique_ptr<Connection>> connections_;
-
-  mutable std::mutex regions_mutex_;
-  std::unordered_map<uint64_t, RegionPtr> regions_;
-  uint64_t next_region_id_ = 1;
+  RegionRegistry regions_;
+  Inbox inbox_;
+  FenceTable fences_;
+  RateLimiter rate_limiter_;
+  std::unique_ptr<ConnectionServer> server_;
 
   mutable std::mutex peers_mutex_;
   std::map<uint64_t, PeerPtr> peers_;
@@ -191,26 +181,8 @@ class Engine final : public BackendHost {
   std::unordered_map<uint64_t, ActiveTransfer> active_;
   uint64_t next_transfer_id_ = 1;
 
-  std::mutex inbox_mutex_;
-  std::condition_variable inbox_cv_;        // a message arrived (or closing)
-  std::condition_variable inbox_space_cv_;  // poll_messages() made room (or closing)
-  std::deque<InboxEntry> inbox_;
-  uint64_t inbox_bytes_ = 0;
-
-  // Cancel fences held as a receiver, keyed by (sender engine id, transfer tag); the oldest
-  // are forgotten beyond kMaxFences (a fenced transfer's chunks arrive within moments).
-  using FenceKey = std::pair<uint64_t, uint32_t>;
-  static constexpr size_t kMaxFences = 1 << 16;
-  std::mutex fence_mutex_;
-  std::condition_variable fence_cv_;
-  std::map<FenceKey, int> receiving_;  // chunks being written now
-  std::set<FenceKey> fenced_;
-  std::deque<FenceKey> fence_order_;
-
-  std::mutex pace_mutex_;
-  std::condition_variable wake_;  // pacing sleeps and the watchdog; notified on close
-  int64_t pace_next_ns_ = 0;
-
+  std::mutex watchdog_mutex_;
+  std::condition_variable watchdog_wake_;  // notified on close
   std::thread watchdog_thread_;
 
   std::atomic<uint64_t> bytes_sent_{0}, chunks_sent_{0}, bytes_received_{0}, chunks_received_{0}, retries_{0},

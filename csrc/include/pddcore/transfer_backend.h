@@ -60,32 +60,12 @@ class TransferState {
 
   TransferStatus status() const { return status_.load(std::memory_order_acquire); }
   bool finished() const { return status() != TransferStatus::kPending; }
-  std::string error() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return error_;
-  }
+  std::string error() const;
 
   // Sets the terminal status; false when another status won the race.
-  bool finish(TransferStatus status, std::string error = {}) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (finished()) return false;
-      error_ = std::move(error);
-      status_.store(status, std::memory_order_release);
-    }
-    cv_.notify_all();
-    return true;
-  }
-
+  bool finish(TransferStatus status, std::string error = {});
   // Waits until finished or timeout_s passes (negative: no limit); true when finished.
-  bool wait(double timeout_s) const {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (timeout_s < 0) {
-      cv_.wait(lock, [this] { return finished(); });
-      return true;
-    }
-    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return finished(); });
-  }
+  bool wait(double timeout_s) const;
 
  private:
   mutable std::mutex mutex_;
@@ -106,6 +86,9 @@ struct WriteChunk {
   uint32_t index = 0;     // position within its transfer, so a resent chunk is counted once
   uint32_t attempts = 0;  // sends so far that did not end in an ack
 };
+
+// "region R, offset O, length L": names a chunk's destination in error messages.
+std::string describe(const WriteChunk& c);
 
 // Who a backend talks to: a peer engine whose control handshake succeeded.
 struct PeerInfo {

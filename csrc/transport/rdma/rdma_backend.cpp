@@ -7,6 +7,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "../framing.h"
 #include "../peer_links.h"
 
 namespace pddcore::rdma {
@@ -24,29 +25,18 @@ namespace {
 
 constexpr uint64_t kMaxImmBytes = 0xFFFFFFFFull;
 
-void send_frame(const Socket& s, setup::Type type, const std::string& payload) {
-  uint8_t header[setup::Header::kSize];
-  setup::Header h;
-  h.type = type;
-  h.length = static_cast<uint32_t>(payload.size());
-  h.encode(header);
-  iovec iov[2] = {{header, sizeof(header)}, {const_cast<char*>(payload.data()), payload.size()}};
-  s.sendv_all(iov, 2);
+void send_setup(const Socket& s, setup::Type type, const std::string& payload) {
+  setup::Header header;
+  header.type = type;
+  header.length = static_cast<uint32_t>(payload.size());
+  transfer::send_frame(s, header, payload);
 }
 
-std::pair<setup::Type, std::string> recv_frame(const Socket& s) {
-  uint8_t header[setup::Header::kSize];
-  s.recv_all(header, sizeof(header));
-  setup::Header h;
-  if (!h.decode(header)) throw TransferError("malformed RDMA setup frame");
-  std::string payload(h.length, '\0');
-  s.recv_all(payload.data(), payload.size());
-  return {h.type, std::move(payload)};
-}
-
-std::string describe(const WriteChunk& c) {
-  return "region " + std::to_string(c.dst_region) + ", offset " + std::to_string(c.dst_offset) + ", length " +
-         std::to_string(c.length);
+std::pair<setup::Type, std::string> recv_setup(const Socket& s) {
+  setup::Header header;
+  std::string payload;
+  transfer::recv_frame(s, &header, &payload, "RDMA setup frame");
+  return {header.type, std::move(payload)};
 }
 
 }  // namespace
@@ -115,8 +105,8 @@ std::vector<std::unique_ptr<RdmaBackend::Endpoint>> RdmaBackend::open_endpoints(
   std::pair<setup::Type, std::string> reply;
   {
     std::lock_guard<std::mutex> lock(link.setup_mutex);
-    send_frame(link.setup, setup::Type::kQpRequest, setup::encode_qps(local));
-    reply = recv_frame(link.setup);
+    send_setup(link.setup, setup::Type::kQpRequest, setup::encode_qps(local));
+    reply = recv_setup(link.setup);
   }
   if (reply.first == setup::Type::kError) throw TransferError("peer refused RDMA QPs: " + reply.second);
   const std::vector<setup::QpAttributes> remote = setup::decode_qps(reply.second);
@@ -173,8 +163,8 @@ setup::RegionKey RdmaBackend::remote_region(Link& link, uint64_t region_id, uint
   setup::RegionQuery query{region_id, offset, length};
   std::string payload(setup::RegionQuery::kSize, '\0');
   query.encode(reinterpret_cast<uint8_t*>(payload.data()));
-  send_frame(link.setup, setup::Type::kRegionQuery, payload);
-  auto [type, reply] = recv_frame(link.setup);
+  send_setup(link.setup, setup::Type::kRegionQuery, payload);
+  auto [type, reply] = recv_setup(link.setup);
   if (type != setup::Type::kRegionReply || reply.size() != setup::RegionKey::kSize)
     throw TransferError("malformed RDMA region reply from " + link.peer.address);
   setup::RegionKey key;
@@ -451,7 +441,7 @@ void RdmaBackend::repair(const LinkPtr& link) {
     for (auto& ep : broken) w.put(ep->remote_qpn);
     {
       std::lock_guard<std::mutex> setup_lock(link->setup_mutex);
-      send_frame(link->setup, setup::Type::kQpRetire, retire);
+      send_setup(link->setup, setup::Type::kQpRetire, retire);
     }
     std::lock_guard<std::mutex> lock(mutex_);
     for (size_t i = 0; i < broken.size(); ++i) {
@@ -575,7 +565,7 @@ void RdmaBackend::serve(const Socket& socket, const PeerInfo&) {
   socket.set_timeouts(0, host_.options().timeout_s);
   try {
     for (;;) {
-      auto [type, payload] = recv_frame(socket);
+      auto [type, payload] = recv_setup(socket);
       if (type == setup::Type::kQpRequest) {
         const std::vector<setup::QpAttributes> remote = setup::decode_qps(payload);
         size_t held;
@@ -584,7 +574,7 @@ void RdmaBackend::serve(const Socket& socket, const PeerInfo&) {
           held = target.qps.size();
         }
         if (remote.empty() || held + remote.size() > kMaxTargetQps) {
-          send_frame(socket, setup::Type::kError, remote.empty() ? "malformed QP request" : "too many QPs");
+          send_setup(socket, setup::Type::kError, remote.empty() ? "malformed QP request" : "too many QPs");
           continue;
         }
         std::vector<std::unique_ptr<QueuePair>> qps;
@@ -598,14 +588,14 @@ void RdmaBackend::serve(const Socket& socket, const PeerInfo&) {
             qps.push_back(std::move(qp));
           }
         } catch (const std::exception& e) {
-          send_frame(socket, setup::Type::kError, e.what());
+          send_setup(socket, setup::Type::kError, e.what());
           continue;
         }
         {
           std::lock_guard<std::mutex> lock(mutex_);
           for (auto& qp : qps) target.qps.push_back(std::move(qp));
         }
-        send_frame(socket, setup::Type::kQpReply, setup::encode_qps(local));
+        send_setup(socket, setup::Type::kQpReply, setup::encode_qps(local));
       } else if (type == setup::Type::kQpRetire && payload.size() >= 4) {
         wire::Reader r(reinterpret_cast<const uint8_t*>(payload.data()));
         const uint32_t n = std::min<uint32_t>(r.get<uint32_t>(), static_cast<uint32_t>((payload.size() - 4) / 4));
@@ -644,7 +634,7 @@ void RdmaBackend::serve(const Socket& socket, const PeerInfo&) {
         if (key.status != wire::AckStatus::kOk) host_.chunk_received(0, key.status);
         std::string reply(setup::RegionKey::kSize, '\0');
         key.encode(reinterpret_cast<uint8_t*>(reply.data()));
-        send_frame(socket, setup::Type::kRegionReply, reply);
+        send_setup(socket, setup::Type::kRegionReply, reply);
       } else {
         break;  // a peer that speaks something else: close the connection
       }

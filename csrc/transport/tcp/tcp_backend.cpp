@@ -63,11 +63,6 @@ class AckBatch {
   uint64_t bytes_ = 0;
 };
 
-std::string describe(const WriteChunk& c) {
-  return "region " + std::to_string(c.dst_region) + ", offset " + std::to_string(c.dst_offset) + ", length " +
-         std::to_string(c.length);
-}
-
 // Holds a chunk's place in its transfer's fence while the chunk is written.
 class ReceiveGuard {
  public:
