@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from pddcore import bench_cli
 from pddcore import _C
-from pddcore.benchmarks import crc_cases, extend_cases, handoff_cases
+from pddcore.benchmarks import crc_cases, extend_cases, handoff_cases, radix_cases
 from pddcore.cli import main
 from pddcore.testing.wan import unavailable_reason
 
@@ -19,6 +20,39 @@ def _png(path: str) -> None:
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
     assert os.path.getsize(path) > 1000, path
+
+
+def _shared_whole_pages(requests, page_size: int) -> list[int]:
+    """Per request: tokens of the longest whole-page prefix it shares with an earlier
+    request, i.e. what a prefix cache that never evicts finds for it."""
+    earlier, shared = [], []
+    for tokens in requests:
+        t = np.asarray(tokens)
+        best = 0
+        for e in earlier:
+            if e[0] != t[0]:
+                continue
+            n = min(len(e), len(t))
+            differ = np.flatnonzero(e[:n] != t[:n])
+            best = max(best, int(differ[0]) if len(differ) else n)
+        shared.append(best // page_size * page_size)
+        earlier.append(t[:len(t) // page_size * page_size])  # a cache holds whole pages only
+    return shared
+
+
+def _expected_rows(cases: dict) -> dict:
+    """(case, what) -> (value, baseline), recomputed from the raw figures of the points."""
+    expected = {}
+    for p in cases["pack"]["points"]:
+        tag = f"{p['page_bytes'] >> 10} KiB pages, {p['threads']} thr"
+        copy_gbps = p["total_bytes"] / p["copy_s"] / 1e9
+        expected["pack", f"pack {tag}"] = (p["total_bytes"] / p["pack_s"] / 1e9, copy_gbps)
+        expected["pack", f"unpack {tag}"] = (p["total_bytes"] / p["unpack_s"] / 1e9, copy_gbps)
+    for p in cases["radix"]["points"]:
+        n = p["requests"]
+        expected["radix", f"match, page {p['page_size']}"] = (n / p["radix_match_s"], n / p["chain_match_s"])
+        expected["radix", f"insert, page {p['page_size']}"] = (n / p["radix_insert_s"], n / p["chain_insert_s"])
+    return expected
 
 
 def test_cli_pack_and_radix(tmp_path, capsys):
@@ -31,13 +65,29 @@ def test_cli_pack_and_radix(tmp_path, capsys):
         assert key in machine
     assert set(res["cases"]) == {"pack", "radix"}
     pack_points = res["cases"]["pack"]["points"]
-    assert pack_points and all(p["pack_gbps"] > 0 and p["copy_gbps"] > 0 for p in pack_points)
-    radix_points = res["cases"]["radix"]["points"]
-    assert radix_points and all(0 < p["radix_hit_rate"] <= 1 for p in radix_points)
-    rows = res["table"]
-    assert {r["case"] for r in rows} == {"pack", "radix"}
-    for r in rows:
-        assert r["baseline"] > 0 and r["ratio"] == pytest.approx(r["value"] / r["baseline"])
+    # --quick: 32 KiB pages, 1 and 2 threads; each contender moves 16 MiB (128 pages x 2 layers x K,V)
+    assert [(p["page_bytes"], p["threads"]) for p in pack_points] == [(32 << 10, 1), (32 << 10, 2)]
+    assert all(p["total_bytes"] == 128 * 4 * (32 << 10) for p in pack_points)
+    assert all(p["pack_gbps"] == pytest.approx(p["total_bytes"] / p["pack_s"] / 1e9) for p in pack_points)
+    # The radix hit rate, recomputed from the trace itself: the quick point's 2M-token
+    # capacity keeps every shared context, so both caches find exactly the longest
+    # whole-page prefix each request shares with an earlier one.
+    for p in res["cases"]["radix"]["points"]:
+        requests = list(radix_cases.workload(p["requests"]))
+        total = sum(len(t) // p["page_size"] * p["page_size"] for t in requests)
+        assert p["tokens"] == total
+        hit_rate = sum(_shared_whole_pages(requests, p["page_size"])) / total
+        assert 0.5 < hit_rate < 0.9  # the trace: 90 % of a request shared, a context's first request misses
+        assert p["radix_hit_rate"] == pytest.approx(hit_rate, rel=1e-12)
+        assert p["chain_hit_rate"] == pytest.approx(hit_rate, rel=1e-12)
+    # Every table row is its points' raw bytes, counts and seconds, divided here.
+    table = {(r["case"], r["what"]): r for r in res["table"]}
+    expected = _expected_rows(res["cases"])
+    assert table.keys() == expected.keys()
+    for key, (value, baseline) in expected.items():
+        row = table[key]
+        assert (row["value"], row["baseline"]) == pytest.approx((value, baseline), rel=1e-12), key
+        assert row["ratio"] == pytest.approx(value / baseline, rel=1e-12), key
     assert res["plots"] == ["pack.png"]
     _png(str(tmp_path / "pack.png"))
     out = capsys.readouterr().out

@@ -22,14 +22,39 @@ THREADS = (1, 2)
 
 @dataclass
 class PackResult:
+    """One point: ``total_bytes`` moved by each contender, and the best time (seconds) of each."""
+
     page_bytes: int
     threads: int
     total_bytes: int
-    copy_gbps: float
-    pack_gbps: float
-    unpack_gbps: float
-    index_select_out_gbps: float
-    naive_gbps: float
+    copy_s: float
+    pack_s: float
+    unpack_s: float
+    index_select_out_s: float
+    naive_s: float
+
+    def _gbps(self, seconds: float) -> float:
+        return self.total_bytes / seconds / 1e9
+
+    @property
+    def copy_gbps(self) -> float:
+        return self._gbps(self.copy_s)
+
+    @property
+    def pack_gbps(self) -> float:
+        return self._gbps(self.pack_s)
+
+    @property
+    def unpack_gbps(self) -> float:
+        return self._gbps(self.unpack_s)
+
+    @property
+    def index_select_out_gbps(self) -> float:
+        return self._gbps(self.index_select_out_s)
+
+    @property
+    def naive_gbps(self) -> float:
+        return self._gbps(self.naive_s)
 
     @property
     def pack_ratio(self) -> float:
@@ -40,7 +65,9 @@ class PackResult:
         return self.unpack_gbps / self.copy_gbps
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "pack_ratio": self.pack_ratio, "unpack_ratio": self.unpack_ratio,
+        return {**asdict(self), "copy_gbps": self.copy_gbps, "pack_gbps": self.pack_gbps,
+                "unpack_gbps": self.unpack_gbps, "index_select_out_gbps": self.index_select_out_gbps,
+                "naive_gbps": self.naive_gbps, "pack_ratio": self.pack_ratio, "unpack_ratio": self.unpack_ratio,
                 "index_select_out_ratio": self.index_select_out_gbps / self.copy_gbps,
                 "naive_ratio": self.naive_gbps / self.copy_gbps}
 
@@ -80,14 +107,11 @@ def run_case(page_bytes: int, threads: int, total_bytes: int = 64 << 20, layers:
     pddcore.set_num_threads(threads)
     torch.set_num_threads(threads)
     try:
-        gbps = lambda seconds: moved / seconds / 1e9  # noqa: E731
-        copy = gbps(best_seconds(lambda: dst.copy_(src)))
-        packed = gbps(best_seconds(lambda: pddcore.pack(layout, ids, out=buf)))
-        unpacked = gbps(best_seconds(lambda: pddcore.unpack(layout, ids, buf)))
-        index_out = gbps(best_seconds(
-            lambda: [torch.index_select(p, 0, ids, out=o) for p, o in zip(all_planes, per_plane)]))
-        naive = gbps(best_seconds(
-            lambda: torch.cat([p.index_select(0, ids).reshape(-1) for p in all_planes]), repeats=3))
+        copy = best_seconds(lambda: dst.copy_(src))
+        packed = best_seconds(lambda: pddcore.pack(layout, ids, out=buf))
+        unpacked = best_seconds(lambda: pddcore.unpack(layout, ids, buf))
+        index_out = best_seconds(lambda: [torch.index_select(p, 0, ids, out=o) for p, o in zip(all_planes, per_plane)])
+        naive = best_seconds(lambda: torch.cat([p.index_select(0, ids).reshape(-1) for p in all_planes]), repeats=3)
     finally:
         pddcore.set_num_threads(old_pdd)
         torch.set_num_threads(old_torch)
