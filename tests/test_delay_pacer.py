@@ -1,9 +1,10 @@
 """The TCP backend's delay-based pacer (queue_delay_target_s): its control loop tested in
 C++ against a fluid model of a bottleneck link (tests/cpp/delay_pacer_test.cpp: the queue
 settles at the target with the link busy, on long and short round trips, through RTT
-bursts, after the link gets slower or faster; delay the link does not cause slows it only
-to a floor), and the option end to end on loopback. Through a real bottleneck:
-tests/test_transfer_wan.py (root)."""
+bursts, after the link gets slower or faster; a small message sent beside the paced bulk
+waits little more than on the idle path, where unpaced bulk triples its delay; delay the
+link does not cause slows it only to a floor), and the option end to end on loopback.
+Through a real bottleneck: tests/test_transfer_wan.py (root)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import cpp_unit
 from pddcore.transfer import TransferEngine
 
 PACER_CASES = ["long_rtt", "short_rtt", "bursty_short_rtt", "foreign_delay", "capacity_drop", "capacity_rise",
-               "unpaced_until_a_queue", "token_bucket", "bad_arguments"]
+               "message_latency_under_bulk", "unpaced_until_a_queue", "token_bucket", "bad_arguments"]
 
 
 @pytest.fixture(scope="module")
