@@ -29,6 +29,8 @@ import cpp_unit
 from test_transfer_tcp import python_handshake
 
 pytestmark = pytest.mark.skipif(not _C.rdma_compiled(), reason="rdma backend compiled out (no ibverbs headers)")
+if _C.rdma_compiled():
+    from pddcore import _verbs_emulator
 
 MiB = 1 << 20
 TOKEN = b"rdma-token"
@@ -46,7 +48,7 @@ def random_tensor(nbytes: int, seed: int) -> torch.Tensor:
 
 
 def live_objects() -> dict:
-    c = _C.rdma_emulator_counters()
+    c = _verbs_emulator.counters()
     return {k: c[k] for k in ("contexts", "pds", "mrs", "cqs", "qps", "wire_connections")}
 
 
@@ -89,10 +91,10 @@ def test_no_device_error_lists_usable_backends(monkeypatch):
 
 def test_environment_selects_the_emulator(monkeypatch):
     monkeypatch.setenv("PDDCORE_VERBS", "emulator")
-    before = _C.rdma_emulator_counters()["contexts"]
+    before = _verbs_emulator.counters()["contexts"]
     with TransferEngine("rdma") as engine:
         assert engine.backend == "rdma"
-        assert _C.rdma_emulator_counters()["contexts"] == before + 1
+        assert _verbs_emulator.counters()["contexts"] == before + 1
 
 
 def test_rdma_options_are_checked(monkeypatch):
@@ -130,10 +132,10 @@ def test_write_longer_than_the_send_queue_completes():
     with emulated(streams=1, chunk_bytes=4096) as a, emulated() as b:
         src, dst = random_tensor(n, 2), torch.zeros(n, dtype=torch.uint8)
         rs, rd = a.register(src), b.register(dst, target=True)
-        placed = _C.rdma_emulator_counters()["writes_placed"]
+        placed = _verbs_emulator.counters()["writes_placed"]
         a.write(a.connect(b.address), rs, 0, rd.descriptor(), 0, n, notify=b"all").wait(30)
         assert torch.equal(src, dst)
-        assert _C.rdma_emulator_counters()["writes_placed"] - placed == 1500
+        assert _verbs_emulator.counters()["writes_placed"] - placed == 1500
         # The immediates told the target every byte (its receive completions).
         assert b.stats()["bytes_received"] == n
         deadline = time.monotonic() + 5
@@ -167,19 +169,19 @@ def test_one_engine_speaks_rdma_and_tcp_to_different_peers():
         rs = a.register(src)
         db, dc = torch.zeros(4 * MiB, dtype=torch.uint8), torch.zeros(4 * MiB, dtype=torch.uint8)
         rb, rc = b.register(db, target=True), c.register(dc, target=True)
-        placed = _C.rdma_emulator_counters()["bytes_placed"]
+        placed = _verbs_emulator.counters()["bytes_placed"]
         to_b = a.connect(b.address)                  # rdma: the engine's backend
         to_c = a.connect(c.address, backend="tcp")   # c has no RDMA at all
         a.write(to_b, rs, 0, rb.descriptor(), 0, 4 * MiB).wait(30)
         a.write(to_c, rs, 0, rc.descriptor(), 0, 4 * MiB).wait(30)
         assert torch.equal(db, src) and torch.equal(dc, src)
-        assert _C.rdma_emulator_counters()["bytes_placed"] - placed == 4 * MiB  # only b's copy went by RDMA
+        assert _verbs_emulator.counters()["bytes_placed"] - placed == 4 * MiB  # only b's copy went by RDMA
         # An rdma engine serves tcp peers too.
         b2 = a.connect(b.address, backend="tcp")
         db.zero_()
         a.write(b2, rs, 0, rb.descriptor(), 0, 4 * MiB).wait(30)
         assert torch.equal(db, src)
-        assert _C.rdma_emulator_counters()["bytes_placed"] - placed == 4 * MiB
+        assert _verbs_emulator.counters()["bytes_placed"] - placed == 4 * MiB
         with pytest.raises(TransferError):
             a.connect(c.address, backend="rdma")  # c refuses the RDMA setup connection
         with pytest.raises(ValueError, match="not available"):
@@ -198,12 +200,12 @@ def test_completion_error_fails_with_the_status_text_and_the_qp_recovers():
         rg, rl = b.register(gone, target=True), b.register(live, target=True)
         peer = a.connect(b.address)
         a.write(peer, rs, 0, rg.descriptor(), 0, MiB).wait(30)  # caches the (address, rkey)
-        rejected = _C.rdma_emulator_counters()["writes_rejected"]
+        rejected = _verbs_emulator.counters()["writes_rejected"]
         b.unregister(rg)
         gone.zero_()
         with pytest.raises(TransferError, match="remote access error"):
             a.write(peer, rs, 0, rg.descriptor(), 0, MiB).wait(30)
-        assert _C.rdma_emulator_counters()["writes_rejected"] > rejected
+        assert _verbs_emulator.counters()["writes_rejected"] > rejected
         assert torch.count_nonzero(gone) == 0  # nothing landed in the deregistered memory
         a.write(peer, rs, 0, rl.descriptor(), 0, MiB).wait(30)
         assert torch.equal(live, src)
@@ -315,6 +317,6 @@ def test_garbage_on_setup_connections_does_not_disturb_a_good_peer(rdma_target, 
 def eventually_no_qps(within_s: float = 10.0) -> bool:
     """The target destroys a connection's QPs when it sees the connection close."""
     deadline = time.monotonic() + within_s
-    while _C.rdma_emulator_counters()["qps"] and time.monotonic() < deadline:
+    while _verbs_emulator.counters()["qps"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    return _C.rdma_emulator_counters()["qps"] == 0
+    return _verbs_emulator.counters()["qps"] == 0

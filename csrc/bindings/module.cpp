@@ -8,9 +8,6 @@
 
 #include "../kv/pack.h"
 #include "../transport/rdma/verbs_probe.h"
-#ifdef PDDCORE_WITH_RDMA
-#include "../transport/rdma/emulator/verbs_emulator.h"
-#endif
 #include "../wan/delay_line.h"
 #include "pddcore/crc32c.h"
 #include "pddcore/kv_layout.h"
@@ -106,20 +103,6 @@ NB_MODULE(_C, m) {
   });
 #ifdef PDDCORE_WITH_RDMA
   m.def("rdma_compiled", [] { return true; });
-  m.def("rdma_emulator_counters", [] {
-    const rdma::emulator::Counters c = rdma::emulator::counters();
-    nb::dict d;
-    d["contexts"] = c.contexts;
-    d["pds"] = c.pds;
-    d["mrs"] = c.mrs;
-    d["cqs"] = c.cqs;
-    d["qps"] = c.qps;
-    d["wire_connections"] = c.wire_connections;
-    d["writes_placed"] = c.writes_placed;
-    d["bytes_placed"] = c.bytes_placed;
-    d["writes_rejected"] = c.writes_rejected;
-    return d;
-  });
 #else
   m.def("rdma_compiled", [] { return false; });
 #endif

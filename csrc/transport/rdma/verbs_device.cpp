@@ -7,7 +7,6 @@
 #include <random>
 #include <stdexcept>
 
-#include "emulator/verbs_emulator.h"
 #include "pddcore/transfer_backend.h"
 
 namespace pddcore::rdma {
@@ -27,12 +26,11 @@ const VerbsTable& choose_verbs(const std::string& device) {
   const char* env = std::getenv("PDDCORE_VERBS");
   if (env != nullptr && *env != '\0' && std::strcmp(env, "emulator") != 0)
     throw std::invalid_argument(std::string("PDDCORE_VERBS must be 'emulator' or unset, not '") + env + "'");
-  if (device == "emulator" || (device.empty() && env != nullptr && std::strcmp(env, "emulator") == 0))
-    return emulator::verbs();
+  const bool emulated = device == "emulator" || (device.empty() && env != nullptr && std::strcmp(env, "emulator") == 0);
   std::string why;
-  const VerbsTable* system = system_verbs(&why);
-  if (system == nullptr) no_device(why);
-  return *system;
+  const VerbsTable* table = emulated ? emulator_verbs(&why) : system_verbs(&why);
+  if (table == nullptr) no_device(why);
+  return *table;
 }
 
 }  // namespace

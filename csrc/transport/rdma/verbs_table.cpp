@@ -89,4 +89,34 @@ const VerbsTable* system_verbs(std::string* why) {
   return &lib.table;
 }
 
+const VerbsTable* emulator_verbs(std::string* why) {
+  static const VerbsTable* table = nullptr;
+  static std::string error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // The module lies in the directory of the library this code is part of (pddcore._C).
+    Dl_info self{};
+    if (dladdr(reinterpret_cast<const void*>(&emulator_verbs), &self) == 0 || self.dli_fname == nullptr) {
+      error = "cannot locate pddcore._C to find the verbs emulator next to it";
+      return;
+    }
+    std::string path = self.dli_fname;
+    path = path.substr(0, path.rfind('/') + 1) + PDDCORE_VERBS_EMULATOR_FILE;
+    void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) {
+      error = std::string("the verbs emulator is not loadable: ") + dlerror();
+      return;
+    }
+    using TableFn = const VerbsTable* (*)();
+    auto fn = reinterpret_cast<TableFn>(dlsym(h, "pddcore_verbs_emulator_table"));
+    if (fn == nullptr) {
+      error = path + " lacks pddcore_verbs_emulator_table";
+      return;
+    }
+    table = fn();
+  });
+  if (table == nullptr && why != nullptr) *why = error;
+  return table;
+}
+
 }  // namespace pddcore::rdma

@@ -1,7 +1,7 @@
-// The ibverbs calls the RDMA backend makes, as a table of function pointers. Two fillers:
-// the system's libibverbs opened with dlopen (so the module imports on machines without
-// rdma-core), and the in-process verbs emulator (emulator/verbs_emulator.h) for machines
-// without an RDMA NIC. The backend calls verbs only through this table.
+// The ibverbs calls the RDMA backend makes, as a table of function pointers. Two fillers,
+// both opened with dlopen: the system's libibverbs (so the module imports on machines
+// without rdma-core), and the in-process verbs emulator (emulator/verbs_emulator.h), a
+// test device for machines without an RDMA NIC. The backend calls verbs only through this table.
 #pragma once
 
 #include <infiniband/verbs.h>
@@ -38,5 +38,8 @@ struct VerbsTable {
 // The system's libibverbs.so.1, loaded once and kept for the process lifetime. Null, with
 // the reason in *why, when the library or one of its symbols is missing.
 const VerbsTable* system_verbs(std::string* why);
+// The verbs emulator module installed next to pddcore._C, loaded once; null, with the
+// reason in *why, when it is missing.
+const VerbsTable* emulator_verbs(std::string* why);
 
 }  // namespace pddcore::rdma

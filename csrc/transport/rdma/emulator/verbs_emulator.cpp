@@ -1052,3 +1052,7 @@ Counters counters() {
 }
 
 }  // namespace pddcore::rdma::emulator
+
+extern "C" __attribute__((visibility("default"))) const pddcore::rdma::VerbsTable* pddcore_verbs_emulator_table() {
+  return &pddcore::rdma::emulator::verbs();
+}

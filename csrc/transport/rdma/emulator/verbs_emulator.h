@@ -29,6 +29,10 @@
 // address vector and sends its writes there; the responder validates and places the
 // payload straight into the registered memory, then ACKs or NAKs. So two processes, each
 // with an emulated device, exchange one-sided writes through real sockets.
+//
+// It is test support, so it ships as its own module (pddcore._verbs_emulator), not inside
+// pddcore._C: the RDMA backend opens it with dlopen, as it opens libibverbs, when asked
+// for device="emulator" (verbs_table.h, emulator_verbs).
 #pragma once
 
 #include <cstdint>
@@ -51,3 +55,6 @@ struct Counters {
 Counters counters();
 
 }  // namespace pddcore::rdma::emulator
+
+// The symbol the RDMA backend looks up after dlopen: the emulator's verbs().
+extern "C" const pddcore::rdma::VerbsTable* pddcore_verbs_emulator_table();
