@@ -29,8 +29,9 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from pddcore import TransferEngine  # noqa: E402
-from pddcore.integrations.vllm import (PDDConnector, PDDConnectorMetadata, PDDHandshakeMetadata, _Load,  # noqa: E402
-                                       _MAGIC)
+from pddcore.integrations.vllm import PDDConnector, PDDConnectorMetadata, PDDHandshakeMetadata  # noqa: E402
+from pddcore.integrations.vllm.metadata import _Load  # noqa: E402
+from pddcore.integrations.vllm.protocol import MAGIC as _MAGIC  # noqa: E402
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS, EOS = 16, 2, 8, 3, 24, 2
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["HeadSource", "head_sources", "destinations_of"]
+__all__ = ["HeadSource", "head_sources", "head_slices", "destinations_of"]
 
 
 class HeadSource(NamedTuple):
     """Prefill rank ``src_rank`` sends its local heads ``src_heads``; they land on the
-    decode rank's local heads ``dst_heads`` (both ``(h0, h1)``, half-open)."""
+    decode rank's local heads ``dst_heads`` (both ``(h0, h1)``, half-open; in
+    :func:`head_slices`, None for all of that rank's heads)."""
 
     src_rank: int
-    src_heads: tuple[int, int]
-    dst_heads: tuple[int, int]
+    src_heads: tuple[int, int] | None
+    dst_heads: tuple[int, int] | None
 
 
 def _check(total_heads: int, tp: int, side: str) -> int:
@@ -47,6 +48,16 @@ def head_sources(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> l
         s_lo, s_hi = max(lo, src * per_src), min(hi, (src + 1) * per_src)
         sources.append(HeadSource(src, (s_lo - src * per_src, s_hi - src * per_src), (s_lo - lo, s_hi - lo)))
     return sources
+
+
+def head_slices(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[HeadSource]:
+    """:func:`head_sources` with a range that spans all of its rank's heads given as None:
+    ``pack`` and ``unpack`` then move whole pages, and a prefill rank can send a request's
+    staged pages as they are. Equal TP sizes: ``[HeadSource(dst_rank, None, None)]``."""
+    sources = head_sources(total_heads, src_tp, dst_tp, dst_rank)  # checks the arguments
+    per_src, per_dst = total_heads // src_tp, total_heads // dst_tp
+    return [HeadSource(s.src_rank, None if s.src_heads == (0, per_src) else s.src_heads,
+                       None if s.dst_heads == (0, per_dst) else s.dst_heads) for s in sources]
 
 
 def destinations_of(total_heads: int, src_tp: int, dst_tp: int, src_rank: int) -> int:

@@ -1,0 +1,48 @@
+"""An adapter's connections to the peer engines it talks to, by address, and the control
+messages it sends over them.
+
+Example::
+
+    peers = Peers(engine, codec, log)
+    peers.send("10.0.0.2:7000", "fail", req="r-1", reason="aborted")   # logged, not raised, on error
+    engine.write(peers.connect("10.0.0.2:7000"), ...)                   # the same connection
+    peers.is_from(message, "10.0.0.2:7000")   # whether a received message came from that engine
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from ..transfer import Message, Peer, TransferEngine
+from ._messages import MessageCodec
+
+__all__ = ["Peers"]
+
+
+class Peers:
+    """One connection per peer address, reopened once it dropped. Thread-safe."""
+
+    def __init__(self, engine: TransferEngine, codec: MessageCodec, log: logging.Logger):
+        self.engine, self.codec, self.log = engine, codec, log
+        self._peers: dict[str, Peer] = {}
+        self._lock = threading.Lock()
+
+    def connect(self, address: str) -> Peer:
+        with self._lock:
+            if address not in self._peers or not self._peers[address].connected:
+                self._peers[address] = self.engine.connect(address)
+            return self._peers[address]
+
+    def send(self, address: str, kind: str, **fields: Any) -> None:
+        """Sends one control message; a failure is logged only, since the peer's own
+        timeout covers a message that never arrives."""
+        try:
+            self.engine.send(self.connect(address), self.codec.encode(kind, **fields))
+        except Exception as exc:
+            self.log.warning("%s: could not send %s to %s: %s", self.codec.name, kind, address, exc)
+
+    def is_from(self, message: Message, address: str) -> bool:
+        """Whether ``message`` comes from the engine listening at ``address``."""
+        return message.sender_engine_id == self.connect(address).engine_id

@@ -1,0 +1,54 @@
+""":class:`PDDConnector`, the class vLLM loads: one object per role, whose methods come from
+the scheduler side (:mod:`.scheduler`) or the worker side (:mod:`.worker`, with its
+:mod:`.producer` and :mod:`.consumer` halves).
+
+Example (what vLLM does with ``kv_connector_module_path="pddcore.integrations.vllm"``)::
+
+    scheduler_connector = PDDConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    worker_connector = PDDConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    worker_connector.register_kv_caches(kv_caches)    # {layer name: [blocks, heads, block_size, row]}
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from .config import advertised_host, attention_spec
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["PDDConnector"]
+
+
+class PDDConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
+    """A vLLM v1 KV connector that moves KV through pddcore; see :mod:`pddcore.integrations.vllm`."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.engine_id = self._kv_transfer_config.engine_id
+        self.attention_spec = attention_spec(kv_cache_config)
+        self.listen_host, self.host = advertised_host(extra)
+        self.base_port = extra.get("port")
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.block_size = vllm_config.cache_config.block_size
+        self.lease_s = float(extra.get("lease_s", 60.0))
+        self.load_timeout_s = float(extra.get("load_timeout_s", 60.0))
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker(extra)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        return None  # KVLayout takes any cell strides vLLM allocates
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # save_kv_layer runs between layers: it cannot live inside a captured graph

@@ -1,0 +1,181 @@
+"""The consumer (decode) half of :class:`~pddcore.integrations.vllm.PDDConnector`'s worker:
+``start_load_kv`` takes a staging buffer per request and sends each producer rank it needs
+a ``pull`` (blocks to skip: the decode side's own prefix-cache hit; head range when the TP
+sizes differ). The request's blocks are unpacked only once every producer rank's write
+was verified and applied, then reported in ``finished_recving``; a failure reports its
+blocks through ``get_block_ids_with_load_errors`` (and the request in ``failed_recving``),
+so vLLM recomputes them rather than read a half-written block.
+
+The staging buffer holds one segment per producer rank, in the order of the sources::
+
+    [rank s0's heads of all pages][rank s1's heads of all pages] ...     _Segment.offset, .nbytes
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...pack import unpack
+from ...transfer import Message
+from .._heads import head_slices
+from .._messages import MalformedMessage
+from .._staging import StagingBuffer
+from .metadata import PDDConnectorMetadata, _Load
+
+__all__ = ["ConsumerWorker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Segment:
+    """One producer rank's share of a load: where it lands in the staging buffer."""
+
+    src_rank: int
+    address: str
+    offset: int
+    nbytes: int
+    src_heads: tuple[int, int] | None
+    dst_heads: tuple[int, int] | None
+
+
+@dataclass
+class _PendingLoad:
+    req_id: str
+    block_ids: list[int]
+    pages: torch.Tensor
+    started: float
+    segments: list[_Segment] = field(default_factory=list)
+    staging: StagingBuffer | None = None
+    done_sources: set[int] = field(default_factory=set)
+
+
+class ConsumerWorker:
+    """The consumer's worker methods; :class:`~.worker.WorkerSide` supplies the engine,
+    ``layout``, ``staging``, ``_peers`` and the ``_finished_recving`` / ``_failed_recving`` sets."""
+
+    def _init_consumer(self) -> None:
+        self._pending_loads: dict[str, _PendingLoad] = {}
+        self._load_errors: set[int] = set()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, PDDConnectorMetadata):
+            return
+        for req_id, params in meta.cancelled_loads.items():
+            for address in self._producer_addresses(params):
+                self._peers.send(address, "drop", req=params.get("remote_request_id"))
+        for req_id, load in meta.loads.items():
+            try:
+                self._start_load(req_id, load)
+            except Exception as exc:
+                log.warning("PDDConnector: load of %s failed to start: %s", req_id, exc)
+                self._fail_load(req_id, load.local_block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete between steps: a block is handed to vLLM only once whole
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _producer_addresses(self, params: dict) -> list[str]:
+        if params.get("pdd_addresses"):
+            return list(params["pdd_addresses"])
+        return [f"{params['remote_host']}:{int(params['remote_port']) + r}" for r in range(int(params.get("tp_size", 1)))]
+
+    def _start_load(self, req_id: str, load: _Load) -> None:
+        params, n = load.params, len(load.local_block_ids)
+        remote_blocks = len(params.get("remote_block_ids") or ())
+        if load.skip_blocks + n > remote_blocks:
+            raise ValueError(f"needs blocks [{load.skip_blocks}, {load.skip_blocks + n}) but the producer holds "
+                             f"{remote_blocks}")
+        addresses = self._producer_addresses(params)
+        if self.layout.is_mla:
+            sources = [(self.tp_rank % len(addresses), None, None)]
+        else:
+            sources = head_slices(self.total_kv_heads, len(addresses), self.tp_size, self.tp_rank)
+        pending = _PendingLoad(req_id, load.local_block_ids, self._pages(load.local_block_ids), time.monotonic())
+        offset = 0
+        for src_rank, src_heads, dst_heads in sources:
+            nbytes = self.layout.packed_nbytes(len(pending.pages), heads=dst_heads)
+            pending.segments.append(_Segment(src_rank, addresses[src_rank], offset, nbytes, src_heads, dst_heads))
+            offset += nbytes
+        pending.staging = self.staging.acquire(offset, target=True)
+        self._pending_loads[req_id] = pending
+        for seg in pending.segments:
+            self._peers.send(seg.address, "pull", req=params["remote_request_id"], d_req=req_id,
+                             skip_blocks=load.skip_blocks, num_blocks=n, d_tp=self.tp_size,
+                             src_heads=list(seg.src_heads) if seg.src_heads else None,
+                             region=pending.staging.region.descriptor().hex(), offset=seg.offset,
+                             seg_bytes=seg.nbytes, reply=self.address)
+
+    def _on_done(self, message: Message, msg: dict) -> None:
+        """Data applied: believed only as the write notification of the producer rank asked."""
+        req = msg["req"]
+        pending = self._pending_loads.get(req)
+        if pending is None:
+            return
+        seg = next((s for s in pending.segments if s.src_rank == msg["src"]), None)
+        if seg is None:
+            raise MalformedMessage(f"done for {req} from rank {msg['src']}, which was not asked", req)
+        if not message.notification or not self._peers.is_from(message, seg.address):
+            log.warning("PDDConnector: ignored a 'done' for %s from %s: not the write notification of rank %d",
+                        req, message.sender, seg.src_rank)
+            return
+        pending.done_sources.add(seg.src_rank)
+        if len(pending.done_sources) == len(pending.segments):
+            self._finish_load(pending)
+
+    def _on_fail(self, message: Message, msg: dict) -> None:
+        req = msg["req"]
+        pending = self._pending_loads.get(req)
+        if pending is None:
+            return
+        if not any(self._peers.is_from(message, seg.address) for seg in pending.segments):
+            log.warning("PDDConnector: ignored a 'fail' for %s from %s, which it did not pull from", req,
+                        message.sender)
+            return
+        log.warning("PDDConnector: load of %s failed: %s", req, msg["reason"])
+        self._fail_load(req, pending.block_ids)
+
+    def _fail_named_load(self, req: Any, reason: str) -> None:
+        """Fails the pending load a malformed message names (``req``: None when it named none)."""
+        if isinstance(req, str) and req in self._pending_loads:
+            log.warning("PDDConnector: load of %s failed: %s", req, reason)
+            self._fail_load(req, self._pending_loads[req].block_ids)
+
+    def _expire_loads(self) -> None:
+        now = time.monotonic()
+        for req_id, pending in list(self._pending_loads.items()):
+            if now - pending.started > self.load_timeout_s:
+                log.warning("PDDConnector: load of %s timed out", req_id)
+                self._fail_load(req_id, pending.block_ids)
+
+    def _fail_load(self, req_id: str, block_ids: list[int]) -> None:
+        pending = self._pending_loads.pop(req_id, None)
+        if pending is not None:
+            self._release_staging(pending)
+        self._load_errors.update(block_ids)
+        self._failed_recving.add(req_id)
+        self._finished_recving.add(req_id)
+
+    def _finish_load(self, pending: _PendingLoad) -> None:
+        staging = pending.staging.tensor
+        for seg in pending.segments:
+            unpack(self.layout, pending.pages, staging[seg.offset:seg.offset + seg.nbytes], heads=seg.dst_heads)
+        if self.layout.device.type == "cuda":
+            torch.cuda.current_stream(self.layout.device).synchronize()
+        self._release_staging(pending)
+        del self._pending_loads[pending.req_id]
+        self._finished_recving.add(pending.req_id)
+
+    def _release_staging(self, pending: _PendingLoad) -> None:
+        if pending.staging is not None:
+            self.staging.release(pending.staging)
+            pending.staging = None

@@ -1,0 +1,48 @@
+"""What the connector's halves pass each other through vLLM: a worker's handshake to its
+scheduler, and the scheduler's per-step instructions to its workers.
+
+Example::
+
+    meta = PDDConnectorMetadata(saves={"p-1": [3, 8]})              # producer: stage blocks 3, 8
+    meta = PDDConnectorMetadata(loads={"d-1": _Load([10, 12], 0, kv_transfer_params)})   # consumer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+__all__ = ["PDDConnectorMetadata", "PDDHandshakeMetadata"]
+
+
+@dataclass
+class PDDHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker publishes to its scheduler: its engine address and KV geometry."""
+
+    address: str
+    tp_rank: int
+    tp_size: int
+    total_kv_heads: int
+
+
+@dataclass
+class _Load:
+    """A consumer's pull: its fresh ``local_block_ids``, after ``skip_blocks`` blocks its own
+    prefix cache already held, filled from the producer named in ``params`` (the request's
+    ``kv_transfer_params``)."""
+
+    local_block_ids: list[int]
+    skip_blocks: int
+    params: dict
+
+
+@dataclass
+class PDDConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    saves: dict[str, list[int]] = field(default_factory=dict)        # producer: req -> all its block ids
+    send_deadlines: dict[str, float] = field(default_factory=dict)   # producer: finished req -> lease (s)
+    dropped_sends: set[str] = field(default_factory=set)             # producer: finished without a consumer
+    loads: dict[str, _Load] = field(default_factory=dict)            # consumer: req -> what to pull
+    cancelled_loads: dict[str, dict] = field(default_factory=dict)   # consumer: aborted before the pull

@@ -1,0 +1,197 @@
+"""The producer (prefill) half of :class:`~pddcore.integrations.vllm.PDDConnector`'s worker:
+``save_kv_layer`` packs each layer of a request whose prefill completes this step into a
+staging buffer (:class:`_Staged`, layer-major) as the forward proceeds; each consumer rank's
+``pull`` is answered by writing its blocks (head-sliced when the TP sizes differ) into the
+consumer's staging buffer with a ``done`` notification. The staged copy is kept until every
+pull it expects was served, the consumer dropped it, or its lease ran out.
+
+Staged bytes of a request with ``n`` pages, per layer ``l`` (K then V, each all ``n`` pages)::
+
+    [layer 0: K pages 0..n | V pages 0..n][layer 1: ...] ...     layer_range(l) -> (lo, hi)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...layout import KVLayout
+from ...pack import pack
+from ...transfer import Message, Transfer
+from .._heads import destinations_of
+from .._messages import MalformedMessage
+from .._staging import StagingBuffer, StagingPool
+from .metadata import PDDConnectorMetadata
+from .protocol import MESSAGES
+
+__all__ = ["ProducerWorker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Staged:
+    """A producer's packed copy of one request's KV, and a KVLayout over that copy
+    (same cells as the pool, pages ``0..num_pages`` in request order)."""
+
+    pages: torch.Tensor
+    buffer: StagingBuffer
+    layout: KVLayout
+    layer_offsets: list[int]
+    ready: bool = False
+    deadline: float | None = None
+    expected_pulls: int = 1
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    @classmethod
+    def allocate(cls, src: KVLayout, pages: torch.Tensor, pool: StagingPool) -> "_Staged":
+        n = len(pages)
+        offsets = [0]
+        for layer in range(src.num_layers):
+            offsets.append(offsets[-1] + src.packed_nbytes(n, layers=[layer]))
+        buffer = pool.acquire(offsets[-1])
+        ppl, planes = src.planes_per_layer, src.planes
+        ptrs = [buffer.tensor.data_ptr() + offsets[layer] + p * n * planes[layer * ppl + p].page_bytes
+                for layer in range(src.num_layers) for p in range(ppl)]
+        first = planes[0]
+        layout = KVLayout.from_pointers(ptrs[::ppl], [planes[i * ppl].page_bytes for i in range(src.num_layers)], n,
+                                        v_ptrs=ptrs[1::ppl] if ppl == 2 else None, device=pool.buffer_device,
+                                        tokens_per_page=first.tokens_per_page, num_kv_heads=first.num_heads)
+        return cls(pages, buffer, layout, offsets)
+
+    def layer_range(self, layer: int) -> tuple[int, int]:
+        return self.layer_offsets[layer], self.layer_offsets[layer + 1]
+
+
+class ProducerWorker:
+    """The producer's worker methods; :class:`~.worker.WorkerSide` supplies the engine,
+    ``layout``, ``staging``, ``_peers`` and the ``_finished_sending`` set."""
+
+    def _init_producer(self) -> None:
+        self._staged: dict[str, _Staged] = {}          # req -> packed KV
+        self._pulls: dict[str, list[tuple[str, dict]]] = {}   # req -> pull requests not served yet
+        self._serving: dict[str, list[tuple[Transfer, StagingBuffer | None, dict]]] = {}
+        self._served: dict[str, int] = {}
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, PDDConnectorMetadata) or not meta.saves or layer_name not in self._layer_index:
+            return
+        layer = self._layer_index[layer_name]
+        for req_id, block_ids in meta.saves.items():
+            staged = self._staged.get(req_id)
+            if staged is None:
+                staged = self._staged[req_id] = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
+            lo, hi = staged.layer_range(layer)
+            pack(self.layout, staged.pages, layers=[layer], out=staged.buffer.tensor[lo:hi])
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, PDDConnectorMetadata):
+            return
+        if meta.saves and self.layout.device.type == "cuda":
+            torch.cuda.current_stream(self.layout.device).synchronize()
+        for req_id in meta.saves:
+            self._staged[req_id].ready = True
+            self._serve(req_id)
+        for req_id, lease in meta.send_deadlines.items():
+            if req_id in self._staged:
+                self._staged[req_id].deadline = time.monotonic() + lease
+            else:  # nothing was staged here (e.g. a prefill that never ran on this rank)
+                self._finished_sending.add(req_id)
+        for req_id in meta.dropped_sends:
+            self._drop_send(req_id)
+
+    def _on_pull(self, message: Message, msg: dict) -> None:
+        # Answers and KV go only to the engine that sent the pull: its reply address must lead
+        # there, and the write into its staging region is checked against that engine's id.
+        req = msg["req"]
+        if not self._peers.is_from(message, msg["reply"]):
+            raise MalformedMessage(f"pull from {message.sender} names another engine ({msg['reply']}) to answer", req)
+        staged = self._staged.get(req)
+        if staged is None:
+            self._peers.send(msg["reply"], "fail", req=msg["d_req"], reason=f"producer has no KV for {req}")
+            return
+        if msg["d_tp"] <= 0:
+            raise MalformedMessage(f"pull for {req}: d_tp={msg['d_tp']}", req)
+        self._pulls.setdefault(req, []).append((msg["reply"], msg))
+        staged.expected_pulls = (1 if self.layout.is_mla else
+                                 destinations_of(self.total_kv_heads, self.tp_size, msg["d_tp"], self.tp_rank))
+        self._serve(req)
+
+    def _on_drop(self, req_id: str) -> None:
+        """The consumer aborted before pulling: free the staged copy unless a write is out."""
+        if req_id in self._staged and req_id not in self._serving:
+            self._drop_send(req_id)
+            self._finished_sending.add(req_id)
+
+    def _serve(self, req_id: str) -> None:
+        staged = self._staged.get(req_id)
+        if staged is None or not staged.ready:
+            return
+        for address, pull in self._pulls.pop(req_id, []):
+            try:
+                self._serve_one(req_id, staged, address, pull)
+            except Exception as exc:
+                self._peers.send(address, "fail", req=pull["d_req"], reason=f"producer could not send: {exc}")
+                self._served[req_id] = self._served.get(req_id, 0) + 1
+
+    def _serve_one(self, req_id: str, staged: _Staged, address: str, pull: dict) -> None:
+        heads = tuple(pull["src_heads"]) if pull["src_heads"] else None
+        skip, n = pull["skip_blocks"], pull["num_blocks"]
+        blocks = staged.num_pages // self.pages_per_block
+        if skip < 0 or n <= 0 or skip + n > blocks:
+            raise ValueError(f"pull for blocks [{skip}, {skip + n}) but the request has {blocks}")
+        nbytes = self.layout.packed_nbytes(n * self.pages_per_block, heads=heads)
+        if nbytes != pull["seg_bytes"]:
+            raise ValueError(f"consumer staged {pull['seg_bytes']} bytes, this layout packs {nbytes} "
+                             "(block geometry differs)")
+        if heads is None and skip == 0 and n == blocks:
+            src, own = staged.buffer, None
+        else:
+            src = own = self.staging.acquire(nbytes)
+            first = skip * self.pages_per_block
+            pack(staged.layout, torch.arange(first, first + n * self.pages_per_block), heads=heads, out=own.tensor)
+        transfer = self.engine.write(self._peers.connect(address), src.region, 0, bytes.fromhex(pull["region"]),
+                                     pull["offset"], nbytes,
+                                     notify=MESSAGES.encode("done", req=pull["d_req"], src=self.tp_rank))
+        self._serving.setdefault(req_id, []).append((transfer, own, pull))
+
+    def _drop_send(self, req_id: str) -> None:
+        staged = self._staged.pop(req_id, None)
+        if staged is not None:
+            self.staging.release(staged.buffer)
+        self._pulls.pop(req_id, None)
+        self._served.pop(req_id, None)
+
+    def _progress_sends(self) -> None:
+        now = time.monotonic()
+        for req_id in list(self._serving):
+            remaining = []
+            for transfer, own, pull in self._serving[req_id]:
+                if transfer.status == "pending":
+                    remaining.append((transfer, own, pull))
+                    continue
+                if transfer.status != "done":
+                    self._peers.send(pull["reply"], "fail", req=pull["d_req"], reason=f"transfer {transfer.error}")
+                if own is not None:
+                    self.staging.release(own)
+                self._served[req_id] = self._served.get(req_id, 0) + 1
+            self._serving[req_id] = remaining
+            staged = self._staged.get(req_id)
+            if not remaining and staged is not None and self._served.get(req_id, 0) >= staged.expected_pulls:
+                del self._serving[req_id]
+                self._drop_send(req_id)
+                self._finished_sending.add(req_id)
+        for req_id, staged in list(self._staged.items()):
+            if staged.deadline is not None and now > staged.deadline and req_id not in self._serving:
+                log.warning("PDDConnector: lease of %s expired before a consumer pulled it", req_id)
+                self._drop_send(req_id)
+                self._finished_sending.add(req_id)

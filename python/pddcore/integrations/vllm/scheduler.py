@@ -1,0 +1,117 @@
+"""The scheduler side of :class:`~pddcore.integrations.vllm.PDDConnector`: which requests
+pull KV from a producer (consumer) or stage theirs for a consumer (producer), told to the
+workers through :class:`PDDConnectorMetadata` once per step.
+
+A producer's finished request answers with the ``kv_transfer_params`` a consumer needs::
+
+    {"do_remote_prefill": True, "remote_block_ids": [3, 8], "remote_request_id": "p-1",
+     "remote_host": "10.0.0.1", "remote_port": 7000, "tp_size": 1, "pdd_addresses": ["10.0.0.1:7000"], ...}
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+from .metadata import PDDConnectorMetadata, _Load
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    return list(block_ids[0]) if isinstance(block_ids, tuple) else list(block_ids)
+
+
+class SchedulerSide:
+    """The connector's scheduler-role methods; :class:`PDDConnector` sets ``engine_id``,
+    ``host``, ``base_port``, ``tp_size`` and ``lease_s`` before :meth:`_init_scheduler`."""
+
+    def _init_scheduler(self) -> None:
+        self._producing: dict[str, "Request"] = {}
+        self._loads: dict[str, _Load] = {}
+        self._meta = PDDConnectorMetadata()
+        self._sending: set[str] = set()
+        self._addresses: dict[int, str] = {}
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._addresses = {int(rank): m.address for rank, m in metadata.items()}
+
+    def _producer_address(self) -> tuple[str, int]:
+        if 0 in self._addresses:
+            host, _, port = self._addresses[0].rpartition(":")
+            return host, int(port)
+        if self.base_port is None:
+            raise RuntimeError("PDDConnector: no worker handshake yet and no 'port' in kv_connector_extra_config")
+        return self.host, int(self.base_port)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if params.get("do_remote_decode"):
+            self._producing[request.request_id] = request
+        if params.get("do_remote_prefill") and num_external_tokens > 0:
+            all_ids = _first_group(blocks.get_block_ids())
+            fresh = blocks.get_unhashed_block_ids()
+            self._loads[request.request_id] = _Load(fresh, len(all_ids) - len(fresh), dict(params))
+            params["do_remote_prefill"] = False  # a re-entry after preemption must not pull twice
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta, self._meta = self._meta, PDDConnectorMetadata()
+        meta.loads, self._loads = self._loads, {}
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self._producing.get(req_id)
+            if request is not None and request.num_computed_tokens + num_tokens >= request.num_prompt_tokens:
+                meta.saves[req_id] = _first_group(self._kv_cache_manager.get_block_ids(req_id))
+                del self._producing[req_id]
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        self._producing.pop(request.request_id, None)
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):  # consumer aborted before its pull: let the producer free
+            self._meta.cancelled_loads[request.request_id] = dict(params)
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            self._meta.dropped_sends.add(request.request_id)
+            return False, None
+        block_ids = _first_group(block_ids)
+        if not block_ids:
+            return False, None
+        self._sending.add(request.request_id)
+        self._meta.send_deadlines[request.request_id] = self.lease_s
+        host, port = self._producer_address()
+        return True, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=block_ids,
+                          remote_engine_id=self.engine_id, remote_request_id=request.request_id,
+                          remote_host=host, remote_port=port, tp_size=self.tp_size,
+                          remote_num_tokens=request.num_computed_tokens,
+                          pdd_addresses=[self._addresses[r] for r in sorted(self._addresses)] or None)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._sending.discard(req_id)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._sending)
