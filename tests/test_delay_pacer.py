@@ -20,7 +20,8 @@ PACER_CASES = ["long_rtt", "short_rtt", "bursty_short_rtt", "foreign_delay", "ca
 
 @pytest.fixture(scope="module")
 def pacer_test_binary(tmp_path_factory):
-    binary = cpp_unit.build(tmp_path_factory.mktemp("pacer"), "delay_pacer_test", ["tests/cpp/delay_pacer_test.cpp"])
+    binary = cpp_unit.build(tmp_path_factory.mktemp("pacer"), "delay_pacer_test",
+                            ["tests/cpp/delay_pacer_test.cpp", "csrc/transport/tcp/delay_pacer.cpp"])
     assert sorted(cpp_unit.cases(binary)) == sorted(PACER_CASES)  # every C++ case runs here
     return binary
 

@@ -1,7 +1,10 @@
+// Launcher of the CPU pack/unpack: checks the plan, then copies across a thread pool.
+#include <algorithm>
 #include <thread>
 
+#include "copy_executor.h"
 #include "pack.h"
-#include "pddcore/pack_cpu.h"
+#include "thread_pool.h"
 
 namespace pddcore::kv {
 
@@ -23,11 +26,7 @@ std::vector<CopyItem> plan_checked(const PackRequest& req) {
 }
 
 void run_cpu(const PackRequest& req, Direction dir) {
-  const std::vector<CopyItem> items = plan_checked(req);
-  if (dir == Direction::kPack)
-    execute_cpu<PackDirection>(items, req.buffer, pool());
-  else
-    execute_cpu<UnpackDirection>(items, req.buffer, pool());
+  execute_cpu(plan_checked(req), req.buffer, dir, pool());
 }
 
 void set_cpu_threads(size_t n) {

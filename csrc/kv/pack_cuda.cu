@@ -7,7 +7,7 @@
 #include <string>
 
 #include "pack.h"
-#include "pddcore/pack_cpu.h"
+#include "copy_executor.h"
 
 namespace pddcore::kv {
 namespace {

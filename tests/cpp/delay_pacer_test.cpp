@@ -5,13 +5,14 @@
 // (the priority lane) waits behind the FIFO queue, then crosses the path one way: its delay
 // is half the base RTT plus the queue at the moment it is sent. Built and run by tests/test_delay_pacer.py;
 // one case per invocation: `delay_pacer_test <case>`, exit status 0 on success.
-#include "pddcore/delay_pacer.h"
+#include "transport/tcp/delay_pacer.h"
 
 #include <cmath>
 #include <cstdio>
 #include <deque>
 #include <functional>
 #include <map>
+#include <stdexcept>
 #include <string>
 
 #include "check.h"

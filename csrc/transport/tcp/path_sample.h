@@ -3,7 +3,7 @@
 
 #include <optional>
 
-#include "pddcore/delay_pacer.h"
+#include "delay_pacer.h"
 
 namespace pddcore::transfer::tcp {
 

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "../socket.h"
-#include "pddcore/delay_pacer.h"
+#include "delay_pacer.h"
 #include "pddcore/transfer_backend.h"
 
 namespace pddcore::transfer::tcp {
