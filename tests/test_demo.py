@@ -1,12 +1,16 @@
 """The reference PDD deployment, end to end, in small: real processes, real sockets, the
 kernel WAN emulator where root (CI) or the userspace relay elsewhere."""
 
+import json
 import os
+import re
 import subprocess
 
+import numpy as np
 import pytest
 
 from pddcore.deploy import Network, agentic_trace, run_demo
+from pddcore.deploy.report import explain
 from pddcore.deploy.staging import RangeAllocator
 from pddcore.testing.relay import WanRelay
 
@@ -98,6 +102,93 @@ def test_pdd_routes_and_hands_off(demo):
 def test_pdd_ttft_p90_beats_cross_dc_pd(demo):
     pd, pdd = demo["metrics"]["pd"]["ttft_s"], demo["metrics"]["pdd"]["ttft_s"]
     assert pdd["p90"] < pd["p90"], (pdd, pd)
+
+
+def test_measurements_add_up_to_the_tokens_and_contexts(demo):
+    """What the roles measured matches what the client saw: every token RLD or MD sent,
+    except each request's first one there (sampled by P or by MD's extend pass), came
+    from a decode step; the run's first request found nothing cached at P."""
+    run = demo["runs"]["pdd"]
+    summary = run["summary"]
+    for role in ("RLD", "MD"):
+        sent = sum(r["roles"].count(role) for r in run["requests"])
+        started = sum(role in r["roles"] for r in run["requests"])
+        steps = summary["decode_steps"][role]
+        assert sum(batch for _, batch in steps) == sent - started, role
+        assert all(seconds > 0 for seconds, _ in steps)
+    first = min(run["requests"], key=lambda r: r["submitted"])
+    assert summary["prefills"][first["rid"]][0] == len(first["context"])
+    assert sum(n for n, _ in summary["prefills"].values()) == summary["counts"]["p_prefill_tokens"]
+    # every KV P sent arrived: to RLD unless the request went P_MD, to MD unless it went RLD_ONLY
+    routes = summary["pipelines"]
+    assert set(summary["kv_usable_s"]["rld"]) == {rid for rid, route in routes.items() if route != "P_MD"}
+    assert set(summary["kv_usable_s"]["md"]) == {rid for rid, route in routes.items() if route != "RLD_ONLY"}
+
+
+def _printed(figure: str, value: float | None) -> bool:
+    """``figure`` (as printed: "12.3 ms", "0.45", "-") is ``value`` to its printed precision."""
+    if value is None:
+        return figure == "-"
+    number = figure.removesuffix(" ms")
+    decimals = len(number.partition(".")[2])
+    return abs(float(number) - (value * 1e3 if figure.endswith(" ms") else value)) <= 0.5 * 10 ** -decimals + 1e-9
+
+
+def test_explanation_prints_what_the_run_measured(demo):
+    """The text printed after the run is built from the run's JSON and nothing else: each
+    figure in it is recomputed here from the raw measurements and compared, and no
+    other number is left in it."""
+    run = demo["runs"]["pdd"]
+    summary, requests = run["summary"], run["requests"]
+    text = explain(json.loads(json.dumps(demo["metrics"]["pdd"])))  # what `pddcore demo --json` writes
+    patterns = {
+        "prefill": r"prefill at P: ([\d.]+) ms per token \((\d+) tokens in ([\d.]+) s\)",
+        "fresh": r"fresh context of (\d+) tokens \((\d+) not cached at P\): prefill ([\d.]+) s, then its KV usable "
+                 r"at RLD after ([\d.]+ ms|-), at MD after ([\d.]+ ms|-)",
+        "usable": r"at (RLD|MD) ([\d.]+ ms) \(([\d.]+ ms) to ([\d.]+ ms), (\d+) requests\)",
+        "hits": r"([\d.]+) to ([\d.]+) % of the context in MD's radix cache \(median ([\d.]+) %, (\d+) turns\)",
+        "steps": r"(RLD|MD) ([\d.]+ ms) \((\d+) steps, ([\d.]+) requests per step on average\)",
+    }
+    found = {name: re.findall(pattern, text) for name, pattern in patterns.items()}
+
+    tokens = sum(n for n, _ in summary["prefills"].values())
+    seconds = sum(s for _, s in summary["prefills"].values())
+    (per_token, printed_tokens, printed_seconds), = found["prefill"]
+    assert _printed(per_token + " ms", seconds / tokens) and int(printed_tokens) == tokens
+    assert _printed(printed_seconds, seconds)
+
+    fresh = [r for r in requests if r["turn"] == 0]
+    assert len(found["fresh"]) == len(fresh) == 2
+    for r, (context, prefilled, prefill_s, to_rld, to_md) in zip(fresh, found["fresh"]):
+        assert int(context) == len(r["context"]) and int(prefilled) == summary["prefills"][r["rid"]][0]
+        assert _printed(prefill_s, summary["prefills"][r["rid"]][1])
+        assert _printed(to_rld, summary["kv_usable_s"]["rld"].get(r["rid"]))
+        assert _printed(to_md, summary["kv_usable_s"]["md"].get(r["rid"]))
+
+    assert [t for t, *_ in found["usable"]] == ["RLD", "MD"]
+    for target, median, low, high, count in found["usable"]:
+        usable = list(summary["kv_usable_s"][target.lower()].values())
+        assert int(count) == len(usable)
+        assert _printed(median, float(np.median(usable)))
+        assert _printed(low, min(usable)) and _printed(high, max(usable))
+
+    hits = [summary["md_cached"][r["rid"]] / len(r["context"]) for r in requests if r["turn"] > 0]
+    (low, high, median, turns), = found["hits"]
+    assert int(turns) == len(hits) == 2
+    assert _printed(low, 100 * min(hits)) and _printed(high, 100 * max(hits))
+    assert _printed(median, 100 * float(np.median(hits)))
+
+    assert [role for role, *_ in found["steps"]] == ["RLD", "MD"]
+    for role, median, count, batch in found["steps"]:
+        steps = summary["decode_steps"][role]
+        assert int(count) == len(steps)
+        assert _printed(median, float(np.median([s for s, _ in steps])))
+        assert _printed(batch, float(np.mean([b for _, b in steps])))
+
+    leftover = text
+    for pattern in patterns.values():
+        leftover = re.sub(pattern, "", leftover)
+    assert not re.search(r"\d", leftover), f"a figure the run did not measure: {leftover}"
 
 
 def test_malformed_handoff_is_rejected_and_resent():
@@ -200,7 +291,11 @@ def test_userspace_relay_caps_rate_and_delays():
         start = time.monotonic()
         with socket.create_connection(("127.0.0.1", port)) as c:
             c.sendall(b"x" * 500_000)       # 4 Mbit at 8 Mbit/s: ~0.5 s, plus 50 ms
+        # The sink reports once the relay closed its side; 500 kB at 8 Mbit/s need 0.55 s,
+        # so a minute without the report means the relay lost the stream.
+        deadline = time.monotonic() + 60
         while not got:
+            assert time.monotonic() < deadline, "the sink got no end of stream through the relay within 60 s"
             time.sleep(0.01)
     finally:
         relay.close()

@@ -1,11 +1,12 @@
-"""`pddcore demo`: the reference PDD deployment, end to end, in about two minutes.
+"""`pddcore demo`: the reference PDD deployment, end to end.
 
-The default scenario is sized so the effect PDD targets is visible on one small box: an
+The default scenario is sized so the effect PDD targets shows on one small box: an
 emulated WAN of 100 Mbit/s with 25 ms one-way delay, and the embedded model in float64
-(8 KiB of KV per token, 4 layers x 2 KV heads x 64 dims x K,V x 8 bytes). A fresh 700-token
-context then needs ~0.5 s on the WAN (a 1400-token one ~1 s), about as long as its prefill
-here: the same ratio as a 64K-token prompt on a 10-100 Gbit/s inter-DC link next to a
-GPU prefill. The router's settings the demo changes are printed with their reasons.
+(8 KiB of KV per token, 4 layers x 2 KV heads x 64 dims x K,V x 8 bytes), so a fresh
+document's KV takes long on the WAN next to its prefill. Before the run the demo prints
+the scenario and the router settings it changes, with their reasons; after it, the
+comparison table and :func:`pddcore.deploy.report.explain`: the prefill, KV transfer,
+cache-hit and decode-step figures that run measured.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from ..router import RouterConfig
 from .cluster import RunConfig
 from .demo import kv_bytes_per_token, run_demo, vocab_size
 from .network import Network
-from .report import format_table, plot_ttft_cdf
+from .report import explain, format_table, plot_ttft_cdf
 from .trace import Scenario, agentic_trace
 
 LABELS = {"pd": "cross-DC PD", "pdd": "PDD"}
-# The router's TTFT budget for the default scenario: below a fresh document's WAN time on
-# the default link (0.35-0.9 s), far above a follow-up's few missing pages (~0.1 s).
+# The router's TTFT budget for the default scenario, between what the default link needs for
+# a fresh context's KV (528 to 1424 tokens x 8 KiB at 100 Mbit/s: 0.35 to 0.93 s before
+# any RTT) and for a follow-up's last pages, all MD lacks of it (3 pages of 16 tokens:
+# 0.03 s, plus an RTT).
 TTFT_SLO_S = 0.2
 
 
@@ -43,25 +46,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of the TTFT CDFs")
 
 
-def _why(scenario: Scenario, bpt: float, bandwidth_bps: float) -> str:
-    """The scenario's rationale, with the numbers of this run's model, link and trace."""
-    fresh = sorted({len(s.first_context) for s in scenario.sessions})
-    wan = ", ".join(f"a {n}-token context {n * bpt * 8 / bandwidth_bps:.2f} s" for n in fresh)
-    singular = min(o for s in scenario.sessions for o in s.outputs)
+def _setup(scenario: Scenario, bpt: float) -> str:
+    """The scenario and the router settings the demo changes, before the run: sizes and
+    settings only (what they lead to is measured and printed after the run)."""
+    sessions = scenario.sessions
+    slash = lambda values: "/".join(str(v) for v in values)  # noqa: E731
+    followups = [o for s in sessions for o in s.outputs[1:]]
+    parts = [f"{len(sessions)} sessions opening with a fresh context ({slash(len(s.first_context) for s in sessions)} "
+             f"tokens, answered in {slash(s.outputs[0] for s in sessions)} tokens)"]
+    if followups:
+        parts.append(f"{len(followups)} follow-up turns (answered in {slash(sorted(set(followups)))} tokens)")
     run = RunConfig("pdd", kv_bytes_per_token=bpt, ttft_slo_s=TTFT_SLO_S)
     router = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-    return (f"KV is {bpt / 1024:g} KiB per token, so fresh context crosses this link slowly ({wan}, + RTTs); "
-            f"with the defaults (embedded float64 model, 100 Mbit/s) that is about the document's prefill time "
-            f"on a small CPU: the WAN-to-prefill ratio of a 64K-token prompt on a 10-100 Gbit/s inter-DC link "
-            f"next to a GPU prefill. Agentic sessions open with a fresh document and a long answer: RLD starts "
-            f"it at once, MD takes over when the KV has landed (one-shot handoff, or catch-up when RLD's "
-            f"backlog exceeds {run.catch_up_threshold} tokens, the HandoffPolicy default); their follow-up "
-            f"turns hit MD's radix cache > 95 % and go P_MD; singular requests (a {singular}-token answer) "
-            f"finish on RLD alone. Router (pddcore.router.Router): ttft_slo_s {run.ttft_slo_s:g} s instead of "
-            f"the default {router['ttft_slo_s']:g} s, scaled with the link (a fresh document's KV takes longer, "
-            f"a follow-up's missing pages far less), rld_tpot_s {run.rld_tpot_s:g} s (default "
-            f"{router['rld_tpot_s']:g}: a production RLD slot, not this CPU's ~10 ms), min_md_tokens "
-            f"{router['min_md_tokens']} and wan_value_ratio {router['wan_value_ratio']:g} (defaults).")
+    return (f"scenario: {', then '.join(parts)}; KV is {bpt / 1024:g} KiB per token. "
+            f"Router (pddcore.router.Router): ttft_slo_s {run.ttft_slo_s:g} s instead of the default "
+            f"{router['ttft_slo_s']:g} s, scaled with the small emulated link (a fresh context's KV needs "
+            f"longer on it, a follow-up's missing pages far less); rld_tpot_s {run.rld_tpot_s:g} s (default "
+            f"{router['rld_tpot_s']:g} s: what an RLD token costs on a production RLD slot, not this machine's "
+            f"decode step, which is printed after the run); min_md_tokens {router['min_md_tokens']} and wan_value_ratio "
+            f"{router['wan_value_ratio']:g} (defaults); a catch-up handoff once RLD's backlog exceeds "
+            f"{run.catch_up_threshold} tokens (the HandoffPolicy default).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,13 +90,15 @@ def run(args: argparse.Namespace) -> int:
     with Network(args.bandwidth * 1e6, args.delay_ms, args.jitter_ms, force_relay=args.relay) as network:
         print(f"pddcore {__version__} demo: {scenario.num_requests} requests of an agentic trace "
               f"({len(scenario.sessions)} sessions), WAN {network.describe()}")
-        print("why this scenario: " + _why(scenario, kv_bytes_per_token(model), args.bandwidth * 1e6))
+        print(_setup(scenario, kv_bytes_per_token(model)))
         result = run_demo(scenario, network, model=model, overrides=overrides, progress=progress)
     for bar in bars.values():
         bar.close()
     modes = list(result["metrics"])
     print()
     print(format_table([result["metrics"][m] for m in modes], [LABELS[m] for m in modes]))
+    print()
+    print(explain(result["metrics"]["pdd"]))
     print()
     ok = True
     for mode in modes:

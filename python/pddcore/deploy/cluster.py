@@ -40,11 +40,11 @@ class RunConfig:
     MD once the client got that many tokens from it), ``md_transfer_timeout_s``,
     ``corrupt_handoffs`` (RLD sends that many handoff messages malformed first).
     ``rld_tpot_s`` prices an RLD token as a production RLD slot costs (the router's
-    default), not at this CPU's ~10 ms: RLD capacity is what PDD keeps small.
+    default), not at the decode step this machine measures (``run_metrics(...)
+    ["decode_step_s"]``): RLD capacity is what PDD keeps small.
     ``ttft_slo_s`` (router default 3 s) is scaled with the small emulated links used here:
-    a fresh document's KV needs longer on them, as a 64K-token prompt needs several
-    seconds on a 10-100 Gbit/s inter-DC link; high-hit turns (MD lacks a few pages) meet
-    it. ``pddcore demo`` sets its own (:data:`pddcore.deploy.cli.TTFT_SLO_S`).
+    a fresh document's KV needs longer on them; high-hit turns (MD lacks a few pages)
+    meet it. ``pddcore demo`` sets its own (:data:`pddcore.deploy.cli.TTFT_SLO_S`).
     ``catch_up_threshold`` is :class:`pddcore.handoff.HandoffPolicy`'s default."""
 
     mode: str

@@ -3,6 +3,7 @@ one batched decode step over all of them, greedy/seeded sampling, stop condition
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,13 +49,15 @@ def land_kv(pool: KVPool, seq: SequenceKV, note: KvReady, staging: torch.Tensor)
 
 class DecodeLoop:
     """Batched decode over :attr:`running`; :meth:`step` returns the new tokens as
-    ``(rid, output index, token)`` and moves finished requests to the caller."""
+    ``(rid, output index, token)`` and moves finished requests to the caller.
+    :attr:`last_step_s` is how long the latest step took (model and sampling)."""
 
     def __init__(self, model: Model):
         self.model = model
         self.params = SamplingParams()
         self.stops = set(model.config.eos_token_ids)
         self.running: dict[str, Running] = {}
+        self.last_step_s = 0.0
 
     def is_done(self, r: Running) -> bool:
         return r.finished or (bool(r.outputs) and r.outputs[-1] in self.stops)
@@ -63,10 +66,12 @@ class DecodeLoop:
         """One decode step for ``rids`` (all running and not done)."""
         if not rids:
             return []
+        started = time.perf_counter()
         batch = [self.running[rid] for rid in rids]
         logits = self.model.decode([r.seq for r in batch], [r.outputs[-1] for r in batch])
         states = [SamplerState(r.seed, r.next_index) for r in batch]
         tokens = sample(logits, [self.params] * len(batch), states)
+        self.last_step_s = time.perf_counter() - started
         out = []
         for r, tok in zip(batch, tokens):
             out.append((r.rid, r.next_index, tok))

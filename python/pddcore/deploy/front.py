@@ -13,6 +13,11 @@ request MD owned (or was about to own) is resumed on RLD: P prefills the context
 the tokens the client already has (a prefix-cache hit) and RLD continues from there, so
 nothing is lost. A P->MD transfer that fails or times out -> the request stays on RLD
 (``P_MD`` ones are resumed on RLD). A rejected handoff is counted; RLD re-sends.
+
+Measured on the way, for the run's summary: each request's prefill at P (tokens,
+seconds), when its KV was usable at RLD (its first RLD token) and at MD (``md_ready``),
+counted from the end of its prefill on the front's clock, and every decode step's
+seconds and batch size at RLD and MD.
 """
 
 from __future__ import annotations
@@ -76,6 +81,10 @@ class Front:
         self.md_tokens = 0
         self.md_token_milestone = config.get("md_token_milestone")
         self.route_reasons: dict[str, str] = {}
+        self.prefills: dict[str, tuple[int, float]] = {}  # rid -> (tokens prefilled, seconds), first prefill
+        self.prefilled_at: dict[tuple[str, str], float] = {}  # (target, rid) -> end of the prefill, KV on its way
+        self.kv_usable_s: dict[str, dict[str, float]] = {"rld": {}, "md": {}}  # target -> rid -> seconds
+        self.decode_steps: dict[str, list[tuple[float, int]]] = {"RLD": [], "MD": []}  # (seconds, batch)
 
     def _accept(self) -> None:
         while True:
@@ -187,10 +196,14 @@ class Front:
                                "seed": req.seed, "pipeline": pipeline.value, "targets": targets,
                                "md_cached": req.md_cached})
 
-    def on_tokens(self, role: str, _: str, events: list) -> None:
+    def on_tokens(self, role: str, _: str, events: list, step_s: float | None = None) -> None:
+        if step_s is not None:
+            self.decode_steps[role].append((step_s, len(events)))
         forward = []
         for rid, index, token in events:
             req = self.requests[rid]
+            if role == "RLD":
+                self.kv_landed("rld", rid)
             owner_ok = (role == "RLD") == (req.handoff_at is None or index < req.handoff_at) \
                 if req.pipeline is Pipeline.P_RLD_MD and not req.resumed else True
             if index != len(req.delivered) or not owner_ok or req.done:
@@ -257,10 +270,24 @@ class Front:
 
     def on_md_ready(self, _: str, rid: str) -> None:
         self.counts["md_ready"] += 1
+        self.kv_landed("md", rid)
 
     def on_prefilled(self, _: str, rid: str, p_cached: int, seconds: float) -> None:
-        self.counts["p_prefill_tokens"] += len(self.requests[rid].context) - p_cached
+        req = self.requests[rid]
+        self.counts["p_prefill_tokens"] += len(req.context) - p_cached
         self.counts["p_cached_tokens"] += p_cached
+        self.prefills.setdefault(rid, (len(req.context) - p_cached, seconds))
+        now = time.monotonic()
+        if req.on_rld:
+            self.prefilled_at["rld", rid] = now
+        if req.pipeline is not Pipeline.RLD_ONLY:
+            self.prefilled_at["md", rid] = now
+
+    def kv_landed(self, target: str, rid: str) -> None:
+        """``rid``'s KV is usable at ``target``: record how long after its prefill."""
+        sent = self.prefilled_at.pop((target, rid), None)
+        if sent is not None:
+            self.kv_usable_s[target].setdefault(rid, time.monotonic() - sent)
 
     def on_rejected(self, _: str, reason: str) -> None:
         self.rejections.append(reason)
@@ -277,7 +304,8 @@ class Front:
                                      "pipelines": {rid: r.pipeline.value if r.pipeline else None
                                                    for rid, r in self.requests.items()},
                                      "md_cached": {rid: r.md_cached for rid, r in self.requests.items()},
-                                     "route_reasons": self.route_reasons})
+                                     "route_reasons": self.route_reasons, "prefills": self.prefills,
+                                     "kv_usable_s": self.kv_usable_s, "decode_steps": self.decode_steps})
 
     # ---- faults ---------------------------------------------------------------------------
     def md_lost(self) -> None:

@@ -7,7 +7,8 @@ answers ``("lookup_ok", rid, cached_tokens)``, so P sends only the pages MD lack
 ``("release", rid)``: forget the request (it finishes on RLD); ``("cache_only", rid)``:
 RLD finished it before any handoff, keep its KV in the radix cache only.
 MD -> front: ``("md_ready", rid)``, ``("took_over", rid, index)`` (MD owns the output from
-``index`` on), ``("tokens", "MD", [...])``, ``("done", rid, "MD")``, ``("rejected", reason)``,
+``index`` on), ``("tokens", "MD", [...], step_s)`` (``step_s``: the decode step's seconds;
+absent for the token of an extend pass), ``("done", rid, "MD")``, ``("rejected", reason)``,
 ``("staging_free", "md", offset)``.
 
 A malformed or inconsistent handoff message is rejected (logged, counted, answered with
@@ -171,7 +172,7 @@ class MainDecode(DecodeRole):
         rids = list(self.loop.running)
         events = with_room(self.node.pool, self.cache, lambda: self.loop.step(rids))
         if events:
-            self.node.to_hub("tokens", "MD", events)
+            self.node.to_hub("tokens", "MD", events, self.loop.last_step_s)
         for r in list(self.loop.running.values()):
             if self.loop.is_done(r):
                 self.finish(r)

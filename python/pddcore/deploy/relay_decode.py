@@ -9,7 +9,8 @@ RLD emits no token of a request after its final handoff: from there MD owns the 
 ``RLD_ONLY`` requests (and any request whose MD side failed) finish here.
 
 Front -> RLD: ``("stay", rid)`` (finish here), ``("released", rid)`` (MD took over),
-``("md_lost",)``. RLD -> front: ``("tokens", "RLD", [(rid, index, token), ...])``,
+``("md_lost",)``. RLD -> front: ``("tokens", "RLD", [(rid, index, token), ...], step_s)``
+(``step_s``: the decode step's seconds; absent for a request's first token, which P sampled),
 ``("handoff", rid, index, mode)`` (output from ``index`` on is MD's), ``("done", rid, "RLD")``,
 ``("staging_free", "rld", offset)``.
 """
@@ -98,7 +99,7 @@ class RelayDecode(DecodeRole):
     def decode(self) -> None:
         events = self.loop.step(list(self.loop.running))
         if events:
-            self.node.to_hub("tokens", "RLD", events)
+            self.node.to_hub("tokens", "RLD", events, self.loop.last_step_s)
         for r in list(self.loop.running.values()):
             if self.loop.is_done(r):
                 self.finish(r)

@@ -1,13 +1,25 @@
-"""Numbers of a run (TTFT percentiles, TPOT, WAN bytes, token shares, handoffs, routes)
-and the comparison table the demo prints."""
+"""Numbers of a run (TTFT percentiles, TPOT, WAN bytes, token shares, handoffs, routes,
+and what the roles measured: prefill time, KV transfer times, MD's cache hits, decode
+steps), the comparison table the demo prints, and :func:`explain`, the scenario's
+rationale in this run's measured figures.
+
+Example::
+
+    m = run_metrics(run)                  # one RunResult -> a JSON-ready dict
+    m["ttft_s"]["p90"], m["prefill"]["s_per_token"], m["decode_step_s"]["RLD"]["p50"]
+    print(explain(m))
+"""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
+from .._stats import percentiles
 from .cluster import RunResult
 
-__all__ = ["run_metrics", "format_table", "plot_ttft_cdf"]
+__all__ = ["run_metrics", "format_table", "plot_ttft_cdf", "explain"]
 
 
 def run_metrics(run: RunResult) -> dict:
@@ -15,10 +27,10 @@ def run_metrics(run: RunResult) -> dict:
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in run.requests if len(r["times"]) > 1]
     roles = [role for r in run.requests for role in r["roles"]]
     counts = run.summary["counts"]
-    pct = (lambda q: float(np.percentile(ttft, q))) if len(ttft) else (lambda q: float("nan"))
+    pct = percentiles(ttft, (50, 90, 99), empty=float("nan"))
     return {
         "mode": run.mode, "requests": len(run.requests), "wall_s": run.wall_s,
-        "ttft_s": {"p50": pct(50), "p90": pct(90), "p99": pct(99), "mean": float(ttft.mean()) if len(ttft) else None},
+        "ttft_s": {"p50": pct[50], "p90": pct[90], "p99": pct[99], "mean": float(ttft.mean()) if len(ttft) else None},
         "ttft_all_s": sorted(ttft.tolist()),
         "tpot_s": float(np.mean(tpot)) if tpot else None,
         "wan_bytes": run.summary["wan_bytes"],
@@ -30,6 +42,39 @@ def run_metrics(run: RunResult) -> dict:
                                                                        "md_transfer_timeout", "md_cache_only"))},
         "ownership_violations": run.summary["violations"] + run.client_errors,
         "md_killed": run.md_killed,
+        **_measured(run),
+    }
+
+
+def _spread(samples: Sequence[float]) -> dict:
+    """Count, min, median and max of ``samples`` (None each when there are none)."""
+    if not samples:
+        return {"count": 0, "min": None, "p50": None, "max": None}
+    q = percentiles(samples, (0, 50, 100))
+    return {"count": len(samples), "min": q[0], "p50": q[50], "max": q[100]}
+
+
+def _measured(run: RunResult) -> dict:
+    """What the roles measured (:mod:`.front` gathers it): prefill time at P, how long after
+    its prefill a request's KV was usable at RLD and at MD, the share of each follow-up
+    turn's context MD's radix cache held, and the decode steps of RLD and MD."""
+    summary = run.summary
+    prefills, usable = summary["prefills"], summary["kv_usable_s"]
+    tokens = sum(n for n, _ in prefills.values())
+    seconds = sum(s for _, s in prefills.values())
+    followups = [r for r in run.requests if r["turn"] > 0]
+    steps = {role: summary["decode_steps"][role] for role in ("RLD", "MD")}
+    return {
+        "prefill": {"tokens": tokens, "seconds": seconds, "s_per_token": seconds / tokens if tokens else None},
+        "fresh_contexts": [{"rid": r["rid"], "context_tokens": len(r["context"]),
+                            "prefilled_tokens": prefills[r["rid"]][0], "prefill_s": prefills[r["rid"]][1],
+                            "kv_to_rld_s": usable["rld"].get(r["rid"]), "kv_to_md_s": usable["md"].get(r["rid"])}
+                           for r in run.requests if r["turn"] == 0 and r["rid"] in prefills],
+        "kv_usable_s": {target: _spread(list(usable[target].values())) for target in ("rld", "md")},
+        "md_hit_followups": _spread([summary["md_cached"][r["rid"]] / len(r["context"]) for r in followups]),
+        "decode_step_s": {role: {**_spread([s for s, _ in steps[role]]),
+                                 "mean_batch": float(np.mean([b for _, b in steps[role]])) if steps[role] else None}
+                          for role in steps},
     }
 
 
@@ -83,3 +128,39 @@ def plot_ttft_cdf(metrics: list[dict], labels: list[str], path: str, title: str)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def explain(m: dict) -> str:
+    """Why the scenario shows what PDD is for, told in the figures this run measured;
+    ``m`` is one mode's :func:`run_metrics` (as ``pddcore demo --json`` writes it)."""
+    lines = [f"why this scenario, in this run's measurements ({m['mode']}):"]
+    p = m["prefill"]
+    if p["tokens"]:
+        lines.append(f"  prefill at P: {p['s_per_token'] * 1e3:.2f} ms per token ({p['tokens']} tokens in "
+                     f"{p['seconds']:.2f} s)")
+    for f in m["fresh_contexts"]:
+        lines.append(f"  fresh context of {f['context_tokens']} tokens ({f['prefilled_tokens']} not cached at P): "
+                     f"prefill {f['prefill_s']:.2f} s, then its KV usable at RLD after {_ms(f['kv_to_rld_s'])}, "
+                     f"at MD after {_ms(f['kv_to_md_s'])}")
+    usable = [f"at {target.upper()} {_ms(k['p50'])} ({_ms(k['min'])} to {_ms(k['max'])}, {k['count']} requests)"
+              for target, k in m["kv_usable_s"].items() if k["count"]]
+    if usable:
+        lines.append("  KV usable after the prefill, median (min to max): " + ", ".join(usable))
+    hit = m["md_hit_followups"]
+    if hit["count"]:
+        lines.append(f"  follow-up turns: {100 * hit['min']:.1f} to {100 * hit['max']:.1f} % of the context in MD's "
+                     f"radix cache (median {100 * hit['p50']:.1f} %, {hit['count']} turns), so only their last "
+                     f"pages cross the WAN")
+    steps = [f"{role} {_ms(d['p50'])} ({d['count']} steps, {d['mean_batch']:.2f} requests per step on average)"
+             for role, d in m["decode_step_s"].items() if d["count"]]
+    if steps:
+        lines.append("  decode step, median: " + ", ".join(steps))
+    if m["decode_step_s"]["RLD"]["count"]:
+        lines.append("  While a fresh context's KV crosses the WAN to MD, RLD (next to P) already streams its answer; "
+                     "MD takes the request over by a token-id handoff once the KV is usable there, and serves "
+                     "follow-ups from its radix cache (routes and handoffs: the table above).")
+    return "\n".join(lines)

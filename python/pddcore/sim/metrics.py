@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .._stats import percentiles
 from .cluster import SimRun
 
 __all__ = ["AccountingError", "check_accounting", "summarize", "sla_met"]
@@ -81,10 +82,8 @@ def summarize(run: SimRun) -> dict[str, Any]:
         "sent_rps": sent_rps,
         "output_tokens": out_tokens,
     }
-    for p in PERCENTILES:
-        summary[f"ttft_p{p}_s"] = float(np.percentile(ttft, p))
-    for p in PERCENTILES:
-        summary[f"tpot_p{p}_s"] = float(np.percentile(tpot, p)) if len(tpot) else 0.0
+    summary.update({f"ttft_p{p}_s": v for p, v in percentiles(ttft, PERCENTILES).items()})
+    summary.update({f"tpot_p{p}_s": v for p, v in percentiles(tpot, PERCENTILES, empty=0.0).items()})
     summary.update({
         "sla_attainment": float(met.mean()),
         "sla_goodput_rps": float(met.mean() * sent_rps),
