@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -85,19 +85,23 @@ class Model:
 
     # ---- entry points -----------------------------------------------------------------------
     def prefill(self, seqs: Sequence[SequenceKV], token_ids: Sequence[TokenIds], *,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Prompt processing; a sequence that already holds a cached prefix is extended
         past it. Identical to :meth:`extend` (the same pass, named for the P role)."""
-        return self.extend(seqs, token_ids, all_logits=all_logits)
+        return self.extend(seqs, token_ids, all_logits=all_logits, on_layer=on_layer)
 
     def extend(self, seqs: Sequence[SequenceKV], token_ids: Sequence[TokenIds], *,
-               all_logits: bool = False) -> torch.Tensor:
+               all_logits: bool = False, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Appends ``token_ids[i]`` (at least one token) to ``seqs[i]`` in one batched pass:
         the new tokens attend to the request's cached KV and causally to each other, and
         their KV is stored in the pool.
 
         Returns logits ``[B, vocab]`` of each request's last new token, or with
         ``all_logits=True`` ``[T, vocab]`` for every new token (requests concatenated).
+        ``on_layer(i)`` is called once layer ``i``'s KV of the new tokens is in the pool
+        (layers in order), so a sender can stream it while later layers still compute
+        (:mod:`pddcore.streaming`); the sequences' token counts advance only after the pass.
+
         Raises ValueError on a bad token id or sequence and PoolExhaustedError when the
         pool cannot hold the new tokens; in both cases nothing is changed.
         """
@@ -105,7 +109,7 @@ class Model:
         empty = [i for i, ids in enumerate(lists) if not ids]
         if empty:
             raise ValueError(f"requests {empty[:8]} have no tokens to extend with")
-        return self._run(seqs, lists, is_decode=False, all_logits=all_logits)
+        return self._run(seqs, lists, is_decode=False, all_logits=all_logits, on_layer=on_layer)
 
     def decode(self, seqs: Sequence[SequenceKV], token_ids: TokenIds) -> torch.Tensor:
         """One step: appends ``token_ids[i]`` (a single token) to ``seqs[i]``, which must
@@ -164,24 +168,24 @@ class Model:
         )
 
     def _run(self, seqs: Sequence[SequenceKV], lists: list[list[int]], *, is_decode: bool,
-             all_logits: bool) -> torch.Tensor:
+             all_logits: bool, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         pool = seqs[0].pool
         pool.reserve(seqs, [len(ids) for ids in lists])
         batch = self._plan(seqs, lists, is_decode)
         with torch.inference_mode():
-            hidden = self._forward(pool, batch)
+            hidden = self._forward(pool, batch, on_layer)
             rows = hidden if all_logits else hidden[batch.last_rows]
             logits = F.linear(rms_norm(rows, self.weights.final_norm, self.config.rms_norm_eps), self.weights.lm_head)
         for seq, ids in zip(seqs, lists):
             seq.num_tokens += len(ids)
         return logits
 
-    def _forward(self, pool: KVPool, batch: _Batch) -> torch.Tensor:
+    def _forward(self, pool: KVPool, batch: _Batch, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         c, w = self.config, self.weights
         num_tokens = batch.input_ids.numel()
         hidden = F.embedding(batch.input_ids, w.embed)
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
-        for layer, k_pool, v_pool in zip(w.layers, pool.k_layers, pool.v_layers):
+        for index, (layer, k_pool, v_pool) in enumerate(zip(w.layers, pool.k_layers, pool.v_layers)):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = self.rope.apply(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)
@@ -189,6 +193,8 @@ class Model:
             v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
             out = torch.empty_like(q)
             kernels.store_kv(k, v, k_pool, v_pool, batch.new_slots)
+            if on_layer is not None:
+                on_layer(index)
             if batch.is_decode:
                 kernels.decode_attention(q, k_pool, v_pool, out, batch.kv_indptr, batch.kv_indices,
                                          sm_scale=self.sm_scale)
