@@ -63,8 +63,8 @@ def _setup(scenario: Scenario, bpt: float) -> str:
             f"{router['ttft_slo_s']:g} s, scaled with the small emulated link (a fresh context's KV needs "
             f"longer on it, a follow-up's missing pages far less); rld_tpot_s {run.rld_tpot_s:g} s (default "
             f"{router['rld_tpot_s']:g} s: what an RLD token costs on a production RLD slot, not this machine's "
-            f"decode step, which is printed after the run); min_md_tokens {router['min_md_tokens']} and wan_value_ratio "
-            f"{router['wan_value_ratio']:g} (defaults); a catch-up handoff once RLD's backlog exceeds "
+            f"decode step, which is printed after the run); min_md_tokens {router['min_md_tokens']} and "
+            f"wan_value_ratio {router['wan_value_ratio']:g} (defaults); a catch-up handoff once RLD's backlog exceeds "
             f"{run.catch_up_threshold} tokens (the HandoffPolicy default).")
 
 
