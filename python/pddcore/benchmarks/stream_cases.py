@@ -1,0 +1,186 @@
+"""Layer-wise streaming over the WAN: how long after the end of P's prefill MD holds the KV.
+
+Two processes share one :class:`~pddcore.testing.wan.WanLink` (needs root):
+
+- **P** (namespace a) prefills a document with the reference model and ships its KV to MD
+  with a :class:`~pddcore.streaming.LayerStreamSender`, one post per layer, either
+  *streamed* (each layer packed and posted from ``Model.prefill(on_layer=...)``, while the
+  later layers still compute) or *after prefill* (the same posts once prefill returned).
+  Trials alternate the two modes.
+- **MD** (namespace b) feeds its notifications to a
+  :class:`~pddcore.streaming.LayerStreamReceiver`, unpacks each layer into its own pool as
+  it lands, and stamps the time the last layer was applied.
+
+The number per trial: MD's stamp - P's stamp right after prefill returned (both namespaces
+share CLOCK_MONOTONIC). After prefill, that is the whole transfer; streamed, only what the
+link could not move while prefill ran. The prefill time and the transfer time at line
+rate are reported beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import struct
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from .auth import bench_token
+from .handoff_cases import MODELS
+from .transfer_cases import desc_address, read_info, write_info
+
+PAGE_SIZE = 16
+MODES = ("streamed", "after_prefill")
+_MD_PORT = 9530
+_KEY = struct.Struct("<6sI")  # b"trial-", trial
+_WARM_UP = 0xFFFF_FFFF  # an untimed first stream opens the data connections
+
+
+@dataclass
+class StreamResult:
+    model: str
+    tokens: int
+    kv_bytes: int
+    rate_bps: float
+    rtt_ms: float
+    prefill_ms: list[float]
+    streamed_ms: list[float]        # prefill end -> last layer applied at MD
+    after_prefill_ms: list[float]
+
+    @property
+    def line_rate_ms(self) -> float:
+        """The KV's bytes at the link's rate plus one one-way delay: the floor after prefill."""
+        return self.kv_bytes * 8 / self.rate_bps * 1e3 + self.rtt_ms / 2
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "line_rate_ms": self.line_rate_ms,
+                "streamed_median_ms": statistics.median(self.streamed_ms),
+                "after_prefill_median_ms": statistics.median(self.after_prefill_ms),
+                "prefill_median_ms": statistics.median(self.prefill_ms)}
+
+
+def _model(config_name: str):
+    import torch
+
+    from ..model import Model
+
+    torch.set_num_threads(1)
+    return Model.default(seed=0, config=MODELS[config_name])
+
+
+def _document(tokens: int, vocab: int) -> list[int]:
+    return [(37 * i + 11) % vocab for i in range(tokens)]
+
+
+def main_decode(config_name: str, tokens: int, trials: int, info_path: str, listen: str) -> dict[int, float]:
+    """Namespace b: applies each trial's layers as they land; returns trial -> time of the last."""
+    import torch
+
+    import pddcore
+    from pddcore.streaming import LayerStreamReceiver
+    from pddcore.transfer import TransferEngine
+
+    model = _model(config_name)
+    pool = model.new_pool(num_pages=-(-tokens // PAGE_SIZE) + 1, page_size=PAGE_SIZE)
+    seq = pool.allocate_sequence(tokens)
+    layout, pages = pool.layout(), torch.tensor(seq.pages)
+    per_layer = layout.packed_nbytes(len(seq.pages), [0], None)
+    staging = torch.zeros(per_layer * model.config.num_layers, dtype=torch.uint8)
+    receiver = LayerStreamReceiver()
+    unpacked: dict[bytes, set[int]] = {}  # per stream: layers already in the pool
+    applied: dict[int, float] = {}
+    with TransferEngine(listen=listen, auth_token=bench_token()) as engine:
+        region = engine.register(staging, target=True)
+        write_info(info_path, region.descriptor().hex())
+        while len(applied) < trials:
+            for message in engine.poll_messages(timeout=0.5):
+                progress = receiver.feed(message)
+                if progress is None:
+                    continue
+                done = unpacked.setdefault(progress.key, set())
+                for layer, landed in enumerate(progress.layers_landed):
+                    if landed and layer not in done:
+                        pddcore.unpack(layout, pages, staging[layer * per_layer:(layer + 1) * per_layer],
+                                       layers=[layer])
+                        done.add(layer)
+                if progress.complete:
+                    trial = _KEY.unpack(progress.key)[1]
+                    if trial != _WARM_UP:
+                        applied[trial] = time.monotonic()
+    return applied
+
+
+def prefill(config_name: str, tokens: int, trials: int, info_path: str) -> dict:
+    """Namespace a: runs the trials; returns P's stamps and prefill times."""
+    import torch
+
+    import pddcore
+    from pddcore.streaming import LayerStreamSender
+    from pddcore.transfer import TransferEngine
+
+    model = _model(config_name)
+    pool = model.new_pool(num_pages=-(-tokens // PAGE_SIZE) + 1, page_size=PAGE_SIZE)
+    document = _document(tokens, model.config.vocab_size)
+    layers = model.config.num_layers
+    desc = bytes.fromhex(read_info(info_path))
+    stamps = {"prefill_end": {}, "prefill_s": {}, "mode": {}}
+    with TransferEngine(auth_token=bench_token()) as engine:
+        peer = engine.connect(desc_address(desc))
+        send = None
+        for trial in [_WARM_UP, *range(trials)]:
+            mode = "after_prefill" if trial == _WARM_UP else MODES[trial % 2]
+            seq = pool.new_sequence()
+            pool.reserve([seq], [tokens])
+            layout, pages = pool.layout(), torch.tensor(seq.pages)
+            per_layer = layout.packed_nbytes(len(seq.pages), [0], None)
+            if send is None:
+                send_buf = torch.zeros(per_layer * layers, dtype=torch.uint8)
+                send = engine.register(send_buf)
+            stream = LayerStreamSender(engine, peer, _KEY.pack(b"trial-", trial), layers)
+
+            def post(layer: int) -> None:
+                pddcore.pack(layout, pages, layers=[layer], out=send_buf[layer * per_layer:(layer + 1) * per_layer])
+                stream.post(layer, [(send, layer * per_layer, desc, layer * per_layer, per_layer)])
+
+            start = time.monotonic()
+            model.prefill([seq], [document], on_layer=post if mode == "streamed" else None)
+            end = time.monotonic()
+            if mode == "after_prefill":
+                for layer in range(layers):
+                    post(layer)
+            stream.wait(timeout=600)
+            if trial != _WARM_UP:
+                stamps["prefill_end"][trial], stamps["prefill_s"][trial], stamps["mode"][trial] = end, end - start, mode
+            pool.release(seq)
+            time.sleep(0.2)  # the link drains between trials
+    return stamps
+
+
+def stream_case(config_name: str = "report_kv", tokens: int = 1024, trials: int = 6, rate: str = "1gbit",
+                delay_ms: float = 25.0) -> StreamResult:
+    from ..testing.wan import WanLink
+
+    with WanLink(rate=rate, delay_ms=delay_ms) as link, tempfile.TemporaryDirectory() as tmp:
+        info = os.path.join(tmp, "md")
+        md = link.b.spawn(main_decode, config_name, tokens, trials, info, f"{link.b.address}:{_MD_PORT}")
+        p = link.a.call(prefill, config_name, tokens, trials, info, timeout=1800)
+        applied = md.result(120)
+        cfg = MODELS[config_name]
+        kv_bytes = tokens * 2 * cfg.num_layers * cfg.kv_size * 8  # float64 K and V
+        ms = {mode: [(applied[t] - p["prefill_end"][t]) * 1e3 for t in range(trials) if p["mode"][t] == mode]
+              for mode in MODES}
+        return StreamResult(config_name, tokens, kv_bytes, link.rate_bps, 2 * delay_ms,
+                            [p["prefill_s"][t] * 1e3 for t in range(trials)], ms["streamed"], ms["after_prefill"])
+
+
+def format_table(r: StreamResult) -> str:
+    d = r.as_dict()
+    return "\n".join([
+        f"{r.model}: {r.tokens}-token document, {r.kv_bytes / 2**20:.1f} MiB of KV, "
+        f"{r.rate_bps / 1e9:g} Gbit/s, {r.rtt_ms:g} ms RTT; prefill {d['prefill_median_ms']:.0f} ms (median)",
+        "KV applied at MD, after the end of prefill (median over trials):",
+        f"  streamed per layer : {d['streamed_median_ms']:8.1f} ms",
+        f"  after prefill      : {d['after_prefill_median_ms']:8.1f} ms",
+        f"  line-rate floor    : {r.line_rate_ms:8.1f} ms (the KV at the link's rate + one-way delay)",
+    ])
