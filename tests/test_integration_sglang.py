@@ -597,7 +597,7 @@ def test_bootstrap_registration_goes_to_dist_init_addr_and_retries(monkeypatch):
     args = _server_args(port, dist_init_addr="localhost:29500")
     args.host = "192.0.2.123"
     assert pdd.bootstrap_url(args) == f"http://127.0.0.1:{port}/route"
-    monkeypatch.setattr(pdd, "_REGISTER_RETRY_DELAYS_S", (0.3, 0.3, 0.3))
+    monkeypatch.setattr(pdd.bootstrap, "_REGISTER_RETRY_DELAYS_S", (0.3, 0.3, 0.3))
     servers = []
     starter = threading.Timer(0.15, lambda: servers.append(pdd.PDDKVBootstrapServer("127.0.0.1", port)))
     starter.start()  # the server comes up after the first attempt failed
@@ -611,7 +611,7 @@ def test_bootstrap_registration_goes_to_dist_init_addr_and_retries(monkeypatch):
         starter.join()
         for server in servers:
             server.close()
-    monkeypatch.setattr(pdd, "_REGISTER_RETRY_DELAYS_S", (0.01, 0.01))
+    monkeypatch.setattr(pdd.bootstrap, "_REGISTER_RETRY_DELAYS_S", (0.01, 0.01))
     with pytest.raises(RuntimeError, match="could not register at the bootstrap server .* after 3 attempts"):
         pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0).args, "prefill", _server_args(_free_port()))
 

@@ -1,0 +1,51 @@
+"""What an SGLang rank of the pddcore backend reads from SGLang's arguments and the
+environment: where its KV pool lives, the address it publishes, and which side it is.
+
+Example::
+
+    kv_device(kv_args, server_args)    # device(type='cuda', index=kv_args.gpu_id), or cpu
+    advertised_host()                  # $PDDCORE_SGLANG_HOST, else SGLang's local IP
+    mode_name(DisaggregationMode.PREFILL)   # 'prefill'
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from sglang.srt.disaggregation.base.conn import KVArgs
+from sglang.srt.utils.network import get_local_ip_auto
+
+__all__ = ["HOST_ENV", "kv_device", "advertised_host", "mode_name"]
+
+HOST_ENV = "PDDCORE_SGLANG_HOST"
+
+
+def kv_device(kv_args: KVArgs, server_args: Any) -> torch.device:
+    """The device of this rank's KV pool: ``server_args.device`` names the kind (SGLang resolves
+    an unset one at launch; unset here means SGLang's default, CUDA) and ``kv_args.gpu_id`` the GPU."""
+    kind = (getattr(server_args, "device", None) or "cuda").split(":")[0]
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        return torch.device("cuda", int(kv_args.gpu_id))
+    raise ValueError(f"the pddcore backend moves KV on cpu or cuda, not on {kind!r}")
+
+
+def advertised_host() -> str:
+    """The address this rank's engine listens on and publishes to its peers:
+    ``$PDDCORE_SGLANG_HOST``, else the local IP SGLang's own connectors publish."""
+    host = os.environ.get(HOST_ENV) or get_local_ip_auto()
+    if host in ("0.0.0.0", "::"):
+        raise ValueError(f"{HOST_ENV}={host} is a wildcard; peers need an address of this machine they can reach")
+    return host
+
+
+def mode_name(mode: Any) -> str:
+    name = getattr(mode, "value", mode)
+    if name not in ("prefill", "decode"):
+        raise ValueError(f"disaggregation_mode must be prefill or decode, got {mode!r}")
+    return name
+

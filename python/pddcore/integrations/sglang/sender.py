@@ -1,0 +1,187 @@
+"""The prefill side of one SGLang request: :class:`PDDKVSender` reports ``WaitingForInput``
+once every decode rank it feeds has registered, then on each ``send(page_indices)`` packs
+those pages (``pddcore.pack``, head-sliced when the TP sizes differ) into a pooled buffer and
+writes them into each decode rank's staging buffer with a ``chunk`` notification; the last
+chunk also carries the aux (metadata buffer) item.
+
+The decode rank's staging buffer, and one prefill rank's segment in it (layer-major, every
+plane holding all ``num_pages`` pages; a chunk of ``n`` pages after ``sent`` fills pages
+``sent .. sent + n`` of each plane)::
+
+    [segment of prefill rank s0][segment of s1] ... [aux items]
+    [layer 0 K: pages 0 .. num_pages-1][layer 0 V: ...][layer 1 K: ...] ...
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric
+
+from ...pack import pack
+from ...transfer import Transfer
+from .._heads import destinations_of
+from .._staging import StagingBuffer
+from .manager import PDDKVManager
+from .protocol import MESSAGES, Registration
+from .states import TERMINAL, PDDTransferError, state_indices_reason
+
+__all__ = ["PDDKVSender"]
+
+
+class PDDKVSender(BaseKVSender):
+    """Prefill side of one request (``bootstrap_room``)."""
+
+    def __init__(self, mgr: PDDKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False):
+        self.kv_mgr, self.room = mgr, int(bootstrap_room)
+        self._state = KVPoll.Bootstrapping
+        self._failure: str | None = None
+        self._num_pages: int | None = None
+        self._aux_index: int | None = None
+        self._sent_pages = 0
+        self._chunk_idx = 0
+        self._transfers: list[Transfer] = []
+        self._buffers: list[StagingBuffer] = []
+        self._decode_prefix_len: int | None = None
+        self._started = time.monotonic()
+        self._bytes = 0
+        # SGLang's early send of a cached prefix sets this CUDA event: the forward that writes
+        # those pages may still be running when send() is called.
+        self._early_send_wait_event: Any = None
+
+    def _registrations(self) -> list[Registration] | None:
+        regs = self.kv_mgr.inbox(self.room).registrations
+        if not regs:
+            return None
+        mgr = self.kv_mgr
+        expected = 1 if mgr.is_mla else destinations_of(mgr.total_kv_heads, mgr.tp_size, regs[0].d_tp, mgr.rank)
+        return list(regs) if len(regs) >= expected else None
+
+    def _fail(self, reason: str, tell_peers: bool = True) -> None:
+        if self._state == KVPoll.Failed:
+            return
+        self._failure, self._state = reason, KVPoll.Failed
+        for transfer in self._transfers:
+            transfer.cancel()  # finishes it and purges its queued chunks: the engine stops reading our buffers
+        self._release_buffers()
+        if tell_peers:
+            for reg in self.kv_mgr.inbox(self.room).registrations:
+                self.kv_mgr.peers.send(reg.peer_address, "fail", room=self.room, reason=reason)
+
+    def _release_buffers(self) -> None:
+        for buf in self._buffers:
+            self.kv_mgr.staging.release(buf)
+        self._buffers = []
+
+    def poll(self) -> int:
+        if self._state in TERMINAL:
+            return self._state
+        box = self.kv_mgr.inbox(self.room)
+        if box.failure:
+            self._fail(box.failure, tell_peers=False)
+        elif self._state == KVPoll.Bootstrapping and self._registrations() is not None:
+            self._state = KVPoll.WaitingForInput
+        elif self._state == KVPoll.Transferring:
+            try:
+                if all(t.done() for t in self._transfers) and self._sent_pages == self._num_pages:
+                    self._release_buffers()
+                    self._state = KVPoll.Success
+            except Exception as exc:
+                self._fail(f"transfer failed: {exc}")
+        return self._state
+
+    def pop_decode_prefix_len(self) -> int:
+        regs = self._registrations() or []
+        value = regs[0].decode_prefix_len if regs and self._decode_prefix_len is None else 0
+        self._decode_prefix_len = value
+        return value
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
+        regs = self._registrations()
+        if regs is None:
+            raise RuntimeError(f"room {self.room}: init() before the decode side registered (poll WaitingForInput)")
+        for reg in regs:
+            if reg.num_pages != num_kv_indices:
+                self._fail(f"decode rank {reg.d_rank} expects {reg.num_pages} pages, prefill sends {num_kv_indices}")
+        self._num_pages, self._aux_index = int(num_kv_indices), aux_index
+
+    def send(self, kv_indices: np.ndarray, state_indices: Optional[list] = None,
+             num_kv_tokens: Optional[int] = None, **_: Any) -> None:
+        if self._state == KVPoll.Failed:
+            return
+        if self._num_pages is None:
+            raise RuntimeError(f"room {self.room}: send() before init()")
+        reason = state_indices_reason(state_indices)
+        if reason:
+            return self._fail(reason)
+        pages = torch.as_tensor(np.asarray(kv_indices, dtype=np.int64))
+        n = int(pages.numel())
+        if self._sent_pages + n > self._num_pages:
+            return self._fail(f"{self._sent_pages} + {n} pages exceeds the {self._num_pages} announced in init()")
+        event, self._early_send_wait_event = self._early_send_wait_event, None
+        if event is not None:
+            event.synchronize()
+        last = self._sent_pages + n == self._num_pages
+        try:
+            for reg in self._registrations() or []:
+                self._send_chunk(reg, pages, last)
+        except Exception as exc:
+            return self._fail(f"send failed: {exc}")
+        self._sent_pages += n
+        self._chunk_idx += 1
+        self._state = KVPoll.Transferring
+
+    def _send_chunk(self, reg: Registration, pages: torch.Tensor, last: bool) -> None:
+        mgr, layout = self.kv_mgr, self.kv_mgr.layout
+        if layout.packed_nbytes(reg.num_pages, heads=reg.src_heads) != reg.seg_bytes:
+            raise ValueError(f"decode rank {reg.d_rank} staged {reg.seg_bytes} bytes for {reg.num_pages} pages, "
+                             f"this prefill layout packs {layout.packed_nbytes(reg.num_pages, heads=reg.src_heads)}")
+        ops = []
+        n = int(pages.numel())
+        if n:
+            buf = mgr.staging.acquire(layout.packed_nbytes(n, heads=reg.src_heads))
+            self._buffers.append(buf)
+            pack(layout, pages, heads=reg.src_heads, out=buf.tensor)
+            if layout.device.type == "cuda":  # the engine reads the buffer from its own threads
+                torch.cuda.current_stream(layout.device).synchronize()
+            # The decode segment is layer-major with every plane holding all reg.num_pages pages;
+            # this chunk's pages go after the _sent_pages already written in each plane.
+            src_off = dst_off = 0
+            for layer in range(layout.num_layers):
+                plane_page = layout.packed_nbytes(1, layers=[layer], heads=reg.src_heads) // layout.planes_per_layer
+                for _ in range(layout.planes_per_layer):
+                    ops.append((buf.region, src_off, reg.region, reg.offset + dst_off + self._sent_pages * plane_page,
+                                n * plane_page))
+                    src_off += n * plane_page
+                    dst_off += reg.num_pages * plane_page
+        if last and reg.aux_offset >= 0:
+            dst = reg.aux_offset
+            for region, item_len in zip(mgr._aux_regions, mgr.kv_args.aux_item_lens):
+                ops.append((region, self._aux_index * item_len, reg.region, dst, item_len))
+                dst += item_len
+        notice = dict(room=self.room, src=mgr.rank, idx=self._chunk_idx, last=last)
+        if not ops:  # nothing to move (an empty last chunk): the notice alone closes the stream
+            mgr.peers.send(reg.peer_address, "chunk", **notice)
+            return
+        self._transfers.append(mgr.engine.write_batch(mgr.peers.connect(reg.peer_address), ops,
+                                                      notify=MESSAGES.encode("chunk", **notice)))
+        self._bytes += sum(op[4] for op in ops)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return KVTransferMetric(transfer_latency_s=time.monotonic() - self._started, transfer_total_bytes=self._bytes)
+
+    def failure_exception(self) -> None:
+        raise PDDTransferError(self.room, self._failure or f"state {self._state}")
+
+    def abort(self) -> None:
+        self._fail("aborted by the prefill side")
+
+    def clear(self) -> None:
+        if self._state not in TERMINAL:
+            self._fail("cleared before the transfer finished")
+        self.kv_mgr.drop_room(self.room)
