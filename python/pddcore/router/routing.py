@@ -55,8 +55,6 @@ def _kv_bytes_per_token(value: Any) -> float:
     return float(value)
 
 
-
-
 @dataclass(frozen=True)
 class RouterConfig:
     """Deployment-wide routing thresholds.

@@ -92,7 +92,6 @@ def _http(method: str, url: str, body: dict | None = None, timeout: float = 5.0)
         return json.loads(resp.read())
 
 
-
 @dataclass(frozen=True)
 class PrefillInfo:
     """A prefill server's parallel layout as its ranks registered it at the bootstrap server;
@@ -113,7 +112,6 @@ class PrefillInfo:
         return self.tp_size
 
 
-
 def bootstrap_url(server_args: Any) -> str:
     """Where prefill ranks register, built as ``CommonKVManager.register_to_bootstrap`` does: the
     bootstrap server runs beside the first node, so multi-node ranks use ``dist_init_addr``'s host;
@@ -124,7 +122,6 @@ def bootstrap_url(server_args: Any) -> str:
         host = server_args.host or "127.0.0.1"
         host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     return f"{NetworkAddress(host, int(server_args.disaggregation_bootstrap_port)).to_url()}/route"
-
 
 
 def register_prefill_rank(url: str, registration: dict[str, Any]) -> None:
