@@ -417,3 +417,47 @@ def test_decode_notified_refuses_other_messages(engines):
             codec.decode_notified(outside, inbox)
     finally:
         md.unregister(inbox.region)
+
+
+# ---- docs and the benchmark's harness -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["pddcore.codec", "pddcore.codec.stage"])
+def test_docstring_example_runs(module):
+    import importlib
+
+    doc = importlib.import_module(module).__doc__
+    example = doc.split("Example")[1].split("::", 1)[1]
+    exec(compile("\n".join(line[4:] for line in example.splitlines()), module, "exec"), {})
+
+
+def test_bench_greedy_harness_matches_generate_and_really_quantizes():
+    from pddcore.benchmarks import codec_cases
+    from pddcore.model import generate
+
+    model = Model.default(seed=0)
+    prompts = [[(7 * i + 3) % 4096 for i in range(37)], [(11 * i + 1) % 4096 for i in range(16)]]
+    pairs = codec_cases._decode_pairs(model, prompts, [6, 3])
+    for prompt, n, (exact, _) in zip(prompts, [6, 3], pairs):
+        assert exact == generate(model, prompt, n)  # the exact arm is the demo's reference decode
+    pool = model.new_pool(8, codec_cases.PAGE_SIZE)
+    exact = pool.new_sequence()
+    model.prefill([exact], [prompts[0]])
+    lossy = pool.allocate_sequence(len(prompts[0]))
+    codec_cases._fp8_copy(model, pool, exact, lossy)
+    rows = [pddcore.pack(pool.layout(), torch.tensor(s.pages)).view(torch.float64).view(model.config.num_layers * 2 * len(s.pages), -1)
+            for s in (exact, lossy)]
+    assert not torch.equal(rows[0], rows[1])
+    assert bool(((rows[1] - rows[0]).abs() <= fp8_error_bound(rows[0], rows[1])).all())
+
+
+def test_bench_measure_reports_the_frames_it_made():
+    from pddcore.benchmarks import codec_cases
+
+    kv = make_content("low_entropy", torch.bfloat16, (12, 64), 8)
+    points = codec_cases.measure("test", kv, repeats=1)
+    assert {p.codec for p in points} == set(codec_cases.CODECS) | {codec_cases.INTERLEAVED}
+    for p in points:
+        assert p.raw_bytes == kv.numel() * 2 and p.encode_gbps > 0 and p.decode_gbps > 0 and p.memcpy_gbps > 0
+        if p.codec in codec_cases.CODECS:
+            assert p.frame_bytes == len(codec.get(p.codec).encode(kv))

@@ -12,6 +12,8 @@ Cases (``--cases``, comma-separated; default all):
 - ``handoff``: the PDD report's 100-token handoff, KV against token ids + extend (root only).
 - ``extend``: one extend pass over N handed-off tokens against N decode steps, N = 1..512.
 - ``radix``: RadixCache match / insert ops/s against a hash-chain prefix cache.
+- ``codec``: KV codecs on real KV: ratio, encode / decode GB/s on one core against memcpy,
+  FP8 error and greedy-token agreement on FP8 KV.
 
 Example::
 
@@ -30,10 +32,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from .benchmarks import (crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, radix_cases, rdma_cases,
-                         tls_cases, transfer_cases)
+from .benchmarks import (codec_cases, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, radix_cases,
+                         rdma_cases, tls_cases, transfer_cases)
 
-CASES = ("pack", "transfer", "tls", "wan", "loss", "handoff", "extend", "radix")
+CASES = ("pack", "transfer", "tls", "wan", "loss", "handoff", "extend", "radix", "codec")
 
 
 @dataclass
@@ -245,9 +247,26 @@ def case_tls(quick: bool, backend: str) -> CaseOutput:
     return CaseOutput({"points": [r.as_dict() for r in results], "aes_gcm_gbps": cipher}, text, rows)
 
 
+def case_codec(quick: bool, backend: str) -> CaseOutput:
+    report = codec_cases.run(quick)
+    rows = []
+    for p in report.points:
+        if p.codec == codec_cases.INTERLEAVED:
+            continue
+        tag = f"{p.codec}, {p.kv}"
+        rows += [Row("codec", f"{tag}: wire bytes", p.frame_bytes, "raw KV", p.raw_bytes, "B"),
+                 Row("codec", f"{tag}: encode", p.encode_gbps, "memcpy", p.memcpy_gbps, "GB/s"),
+                 Row("codec", f"{tag}: decode", p.decode_gbps, "memcpy", p.memcpy_gbps, "GB/s")]
+    rows += [Row("codec", f"fp8, {e.kv}: max error / page amax", e.max_rel_amax, "E4M3 bound", e.bound_rel_amax, "")
+             for e in report.fp8]
+    g = report.greedy
+    rows.append(Row("codec", "fp8 KV: requests with identical greedy tokens", g.identical, "requests", g.requests, ""))
+    return CaseOutput(report.as_dict(), codec_cases.format_report(report), rows)
+
+
 RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {
     "pack": case_pack, "transfer": case_transfer, "tls": case_tls, "wan": case_wan, "loss": case_loss,
-    "handoff": case_handoff, "extend": case_extend, "radix": case_radix,
+    "handoff": case_handoff, "extend": case_extend, "radix": case_radix, "codec": case_codec,
 }
 
 

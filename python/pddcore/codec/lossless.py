@@ -1,10 +1,10 @@
 """Lossless codecs: a byte-plane split, then a general-purpose compressor per plane.
 
 A float's bytes are far from equally compressible: in bfloat16 KV the high byte (sign and
-7 exponent bits) holds about 2.6 bits of entropy, the low byte (mantissa) close to 8. Kept
-interleaved, a compressor sees noise; split into planes (byte ``b`` of every element, one
-plane per byte position), the exponent plane shrinks several-fold and the mantissa plane is
-stored as it is. Every dtype is split into all of its byte planes (2 for float16 /
+7 exponent bits) takes few distinct values, the low byte (mantissa) is close to noise.
+Kept interleaved, a compressor sees mostly noise; split into planes (byte ``b`` of every
+element, one plane per byte position), the exponent plane shrinks and the mantissa plane
+is stored as it is (``pddcore bench --cases codec`` shows both ways side by side). Every dtype is split into all of its byte planes (2 for float16 /
 bfloat16, 4 for float32, 8 for float64, 1 for bytes), in memory order (little-endian:
 the last plane holds the sign and exponent bits).
 
@@ -23,7 +23,7 @@ Example::
     from pddcore import codec
 
     kv = torch.randn(64, 16, 8, 128).to(torch.bfloat16)   # [pages, tokens, heads, head_dim]
-    frame = codec.get("zstd").encode(kv)                   # bytes, smaller than kv's 2 MiB
+    frame = codec.get("zstd").encode(kv)                   # bytes: a self-describing frame
     out = torch.empty_like(kv)
     codec.decode(frame, out)                               # bit-identical to kv
 """
@@ -58,8 +58,9 @@ def split_planes(raw: np.ndarray, element_bytes: int) -> np.ndarray:
 
 
 class _Zstd:
-    """zstandard at level 1: on KV exponent planes it also compressed best of levels 1-3
-    (Huffman-coded literals do the work there, longer match searches find nothing)."""
+    """zstandard at level 1, its fastest regular level: on an exponent plane the Huffman
+    coding of literals does the work, which every level has; higher levels only search
+    longer for repeats."""
 
     def __init__(self, level: int = 1):
         self.level = level

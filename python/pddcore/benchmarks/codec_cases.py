@@ -1,0 +1,294 @@
+"""`pddcore bench` case ``codec``: what each KV codec saves on the WAN and what it costs a core.
+
+Real KV: the embedded model (``pddcore.model`` defaults, seeded weights) prefills the
+opening documents of the demo's agentic trace (``pddcore.deploy.trace.agentic_trace``) in
+each engine dtype (bfloat16, float16, float32, and float64, the demo's); the pages are
+packed (``pddcore.pack``) and viewed as ``[layers * 2 * pages, page elements]``, one row
+per page of a layer's K or V. A Hugging Face checkpoint's KV is added when
+``PDDCORE_BENCH_CHECKPOINT`` names a Llama / Qwen2 folder on disk; otherwise that part
+says "skipped: no checkpoint".
+
+Per codec and dtype: ratio (raw bytes / frame bytes), encode and decode GB/s of raw bytes
+on one core (decode into a preallocated tensor), beside a one-core memcpy of the same
+bytes in the same run. ``zstd, interleaved`` is zstandard level 1 on the bytes as they
+lie, without the byte-plane split: the split's own gain.
+
+FP8 error per dtype: max and mean absolute error, and relative to each page's amax,
+beside E4M3's bound 2^-4 of the page amax.
+
+Greedy agreement: every request of the demo trace (``quick``: the first sessions) is
+decoded greedily by the demo's float64 model twice from the same prefill: once on the
+exact prefix KV, once after that KV went through FP8 and back (as MD would receive it);
+the first token comes from the prefill's logits in both, as P samples it. Reported: the
+fraction of requests whose continuation is identical, and where the others first differ.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .. import codec, pack, unpack
+from ..deploy.trace import Scenario, agentic_trace
+from ..model import Model, SamplerState, SamplingParams, sample, token_agreement
+from .timing import best_seconds
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+CODECS = ("none", "zstd", "lz4", "fp8")
+INTERLEAVED = "zstd, interleaved"
+PAGE_SIZE = 16
+CHECKPOINT_ENV = "PDDCORE_BENCH_CHECKPOINT"
+FP8_BOUND = 2.0 ** -4  # half of E4M3's relative step 2^-3: the rounding bound, relative to a page's amax
+
+
+@dataclass
+class CodecPoint:
+    kv: str  # where the KV came from and its dtype
+    codec: str
+    raw_bytes: int
+    frame_bytes: int
+    encode_gbps: float
+    decode_gbps: float
+    memcpy_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.frame_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+@dataclass
+class Fp8Error:
+    kv: str
+    max_abs: float
+    mean_abs: float
+    max_rel_amax: float  # max over elements of |error| / the amax of its page
+    mean_rel_amax: float
+    bound_rel_amax: float = FP8_BOUND
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GreedyAgreement:
+    requests: int
+    identical: int
+    tokens_compared: int
+    tokens_matched: int
+    first_divergences: list[tuple[int, int]] = field(default_factory=list)  # (request, output position)
+    note: str = ""
+
+    @property
+    def identical_fraction(self) -> float:
+        return self.identical / self.requests
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "identical_fraction": self.identical_fraction}
+
+
+def _one_thread(fn):
+    """Runs ``fn`` with torch on one thread: every figure here is per core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- real KV -----------------------------------------------------------------------------------------------
+
+
+def documents(scenario: Scenario, quick: bool) -> list[list[int]]:
+    """The distinct opening contexts of the trace's sessions (quick: the first)."""
+    seen, out = set(), []
+    for s in scenario.sessions:
+        if s.first_context not in seen:
+            seen.add(s.first_context)
+            out.append(list(s.first_context))
+    return out[:1] if quick else out
+
+
+def prefilled_kv(model: Model, contexts: list[list[int]]) -> torch.Tensor:
+    """The model's KV of ``contexts`` (each prefilled on its own), packed and viewed as
+    ``[layers * 2 * pages, page elements]`` in the model's dtype."""
+    vocab = model.config.vocab_size
+    pool = model.new_pool(sum(-(-len(c) // PAGE_SIZE) for c in contexts), PAGE_SIZE)
+    pages = []
+    for context in contexts:
+        seq = pool.new_sequence()
+        model.prefill([seq], [[t % vocab for t in context]])
+        pages += seq.pages
+    buf = pack(pool.layout(), torch.tensor(pages, dtype=torch.int64))
+    return buf.view(model.dtype).view(model.config.num_layers * 2 * len(pages), -1)
+
+
+def embedded_kv(quick: bool) -> dict[str, torch.Tensor]:
+    contexts = documents(agentic_trace(), quick)
+    return {f"embedded {str(d).removeprefix('torch.')}": _one_thread(
+        lambda d=d: prefilled_kv(Model.default(seed=0, dtype=d), contexts)) for d in DTYPES}
+
+
+def checkpoint_kv(quick: bool) -> tuple[dict[str, torch.Tensor], str | None]:
+    """KV of the checkpoint named by ``PDDCORE_BENCH_CHECKPOINT``, or ({}, why not)."""
+    path = os.environ.get(CHECKPOINT_ENV)
+    if not path or not os.path.isdir(path):
+        return {}, f"skipped: no checkpoint (set {CHECKPOINT_ENV} to a Hugging Face Llama / Qwen2 folder)"
+    model = Model.from_pretrained(path)
+    name = f"{os.path.basename(os.path.normpath(path))} {str(model.dtype).removeprefix('torch.')}"
+    return {name: _one_thread(lambda: prefilled_kv(model, documents(agentic_trace(), quick)))}, None
+
+
+# ---- ratio and speed --------------------------------------------------------------------------------------
+
+
+def measure(kv_name: str, kv: torch.Tensor, repeats: int) -> list[CodecPoint]:
+    """Every codec (and zstd on interleaved bytes) on ``kv``, one core, best of ``repeats``."""
+    import zstandard
+
+    raw = kv.numel() * kv.element_size()
+    src = kv.view(torch.uint8).view(-1)
+    dst = torch.empty_like(src)
+    memcpy = raw / _one_thread(lambda: best_seconds(lambda: dst.copy_(src), repeats=repeats)) / 1e9
+    points = []
+    for name in CODECS:
+        c = codec.get(name)
+        frame = c.encode(kv)
+        out = torch.empty_like(kv)
+        enc = _one_thread(lambda: best_seconds(lambda: c.encode(kv), repeats=repeats))
+        dec = _one_thread(lambda: best_seconds(lambda: c.decode(frame, out=out), repeats=repeats))
+        points.append(CodecPoint(kv_name, name, raw, len(frame), raw / enc / 1e9, raw / dec / 1e9, memcpy))
+    plain = src.numpy()
+    compressor, decompressor = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+    packed = compressor.compress(plain)
+    enc = _one_thread(lambda: best_seconds(lambda: compressor.compress(plain), repeats=repeats))
+    dec = _one_thread(lambda: best_seconds(lambda: decompressor.decompress(packed), repeats=repeats))
+    points.append(CodecPoint(kv_name, INTERLEAVED, raw, len(packed), raw / enc / 1e9, raw / dec / 1e9, memcpy))
+    return points
+
+
+def fp8_error(kv_name: str, kv: torch.Tensor) -> Fp8Error:
+    got = codec.decode(codec.get("fp8").encode(kv)).double()
+    x = kv.double()
+    err = (got - x).abs()
+    amax = x.abs().amax(dim=1, keepdim=True)
+    rel = torch.where(amax > 0, err / amax, torch.zeros_like(err))
+    return Fp8Error(kv_name, err.max().item(), err.mean().item(), rel.max().item(), rel.mean().item())
+
+
+# ---- greedy tokens on FP8 KV ------------------------------------------------------------------------------
+
+
+def _fp8_copy(model: Model, pool, seq, into) -> None:
+    """Writes ``seq``'s KV, through an FP8 frame and back, into the sequence ``into``."""
+    layout = pool.layout()
+    buf = pack(layout, torch.tensor(seq.pages, dtype=torch.int64))
+    rows = buf.view(model.dtype).view(model.config.num_layers * 2 * len(seq.pages), -1)
+    back = codec.decode(codec.get("fp8").encode(rows))
+    unpack(layout, torch.tensor(into.pages, dtype=torch.int64), back.view(-1).view(torch.uint8))
+
+
+def _greedy(logits: torch.Tensor) -> list[int]:
+    n = logits.shape[0]
+    return sample(logits, [SamplingParams()] * n, [SamplerState(0) for _ in range(n)])
+
+
+def _decode_pairs(model: Model, contexts: list[list[int]], max_new: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Greedy continuations of each context on exact and on FP8-roundtripped prefix KV,
+    all requests and both arms in one decode batch."""
+    need = sum(2 * -(-(len(c) + n) // PAGE_SIZE) for c, n in zip(contexts, max_new))
+    pool = model.new_pool(need, PAGE_SIZE)  # fresh (zeroed): no stale slots sway a page's scale
+    exact = [pool.new_sequence() for _ in contexts]
+    first = _greedy(model.prefill(exact, contexts))
+    lossy = [pool.allocate_sequence(len(c)) for c in contexts]
+    for e, f in zip(exact, lossy):
+        _fp8_copy(model, pool, e, f)
+    outputs = [[t] for t in first] + [[t] for t in first]
+    seqs, limits = exact + lossy, max_new + max_new
+    while True:
+        live = [i for i in range(len(seqs)) if len(outputs[i]) < limits[i]]
+        if not live:
+            break
+        tokens = _greedy(model.decode([seqs[i] for i in live], [outputs[i][-1] for i in live]))
+        for i, t in zip(live, tokens):
+            outputs[i].append(t)
+    n = len(contexts)
+    return [(outputs[i], outputs[n + i]) for i in range(n)]
+
+
+def greedy_agreement(quick: bool) -> GreedyAgreement:
+    """The demo trace's requests, turn by turn (a turn's context holds the previous exact answer)."""
+    scenario = agentic_trace()
+    sessions = scenario.sessions[:2] if quick else scenario.sessions
+    model = Model.default(seed=0)  # the demo's model: float64 on the CPU
+    contexts = {s.sid: list(s.first_context) for s in sessions}
+    pairs: list[tuple[list[int], list[int]]] = []
+    for turn in range(max(len(s.outputs) for s in sessions)):
+        active = [s for s in sessions if turn < len(s.outputs)]
+        results = _one_thread(lambda: _decode_pairs(model, [contexts[s.sid] for s in active],
+                                                    [s.outputs[turn] for s in active]))
+        for s, (exact, lossy) in zip(active, results):
+            pairs.append((exact, lossy))
+            if turn + 1 < len(s.outputs):
+                contexts[s.sid] = contexts[s.sid] + exact + list(s.followups[turn])
+    result = GreedyAgreement(len(pairs), 0, 0, 0,
+                             note=f"{len(sessions)} of {len(scenario.sessions)} sessions of the demo trace")
+    for i, (exact, lossy) in enumerate(pairs):
+        agree = token_agreement(exact, lossy)
+        result.identical += agree.identical
+        result.tokens_compared += agree.compared
+        result.tokens_matched += agree.matched
+        if not agree.identical:
+            result.first_divergences.append((i, agree.first_divergence))
+    return result
+
+
+# ---- the case ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CodecReport:
+    points: list[CodecPoint]
+    fp8: list[Fp8Error]
+    greedy: GreedyAgreement
+    checkpoint: str  # "measured: <name>" or why it was skipped
+
+    def as_dict(self) -> dict:
+        return {"points": [p.as_dict() for p in self.points], "fp8_error": [e.as_dict() for e in self.fp8],
+                "greedy": self.greedy.as_dict(), "checkpoint": self.checkpoint}
+
+
+def run(quick: bool) -> CodecReport:
+    kv = embedded_kv(quick)
+    extra, skipped = checkpoint_kv(quick)
+    kv.update(extra)
+    repeats = 3 if quick else 7
+    points = [p for name, t in kv.items() for p in measure(name, t, repeats)]
+    errors = [fp8_error(name, t) for name, t in kv.items()]
+    return CodecReport(points, errors, greedy_agreement(quick), skipped or f"measured: {', '.join(extra)}")
+
+
+def format_report(r: CodecReport) -> str:
+    lines = ["KV                   codec              ratio  encode GB/s  decode GB/s  memcpy GB/s  (one core)"]
+    for p in r.points:
+        lines.append(f"{p.kv:<20} {p.codec:<17} {p.ratio:>6.3f}  {p.encode_gbps:>11.3f}  {p.decode_gbps:>11.3f}  "
+                     f"{p.memcpy_gbps:>11.2f}")
+    lines.append(f"\nFP8 E4M3, one scale per page (bound: {FP8_BOUND:g} of the page amax)")
+    lines.append("KV                   max abs err  mean abs err  max err/amax  mean err/amax")
+    for e in r.fp8:
+        lines.append(f"{e.kv:<20} {e.max_abs:>11.4g}  {e.mean_abs:>12.4g}  {e.max_rel_amax:>12.4g}  "
+                     f"{e.mean_rel_amax:>13.4g}")
+    g = r.greedy
+    lines.append(f"\ngreedy tokens on FP8-roundtripped prefix KV vs exact KV ({g.note}, float64 model): "
+                 f"{g.identical}/{g.requests} requests identical ({100 * g.identical_fraction:.0f} %), "
+                 f"{g.tokens_matched}/{g.tokens_compared} tokens agree")
+    if g.first_divergences:
+        lines.append("first divergence (request, output position): "
+                     + ", ".join(f"({i}, {pos})" for i, pos in g.first_divergences))
+    lines.append(f"transformers checkpoint: {r.checkpoint}")
+    return "\n".join(lines)
