@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-md-after", type=float, metavar="S", help="fault: kill MD S seconds into the PDD run")
     parser.add_argument("--relay", action="store_true", help="use the userspace relay even where the kernel "
                                                              "WAN emulator could run")
+    parser.add_argument("--kv-after-prefill", action="store_true",
+                        help="P sends a request's KV in one write after prefill instead of streaming each layer as "
+                             "prefill writes it")
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of the TTFT CDFs")
 
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--requests must be >= 1, --bandwidth > 0 and --delay-ms >= 0")
     model = {"path": args.model} if args.model else {"seed": 0}
     scenario = agentic_trace(args.requests, vocab_size=vocab_size(model))
-    overrides = {mode: {"ttft_slo_s": TTFT_SLO_S} for mode in LABELS}
+    overrides = {mode: {"ttft_slo_s": TTFT_SLO_S, "stream_kv": not args.kv_after_prefill} for mode in LABELS}
     if args.kill_md_after is not None:
         overrides["pdd"]["kill_md_after_s"] = args.kill_md_after
     bars: dict[str, tqdm] = {}

@@ -38,6 +38,7 @@ class RunConfig:
     for the router (from the model's pool layout). Fault knobs: ``kill_md_after_s``
     (SIGKILL MD that long after the deployment is ready), ``kill_md_after_tokens`` (SIGKILL
     MD once the client got that many tokens from it), ``md_transfer_timeout_s``,
+    ``stream_kv`` (P posts each layer's KV as prefill writes it; off: one write after prefill),
     ``corrupt_handoffs`` (RLD sends that many handoff messages malformed first).
     ``rld_tpot_s`` prices an RLD token as a production RLD slot costs (the router's
     default), not at the decode step this machine measures (``run_metrics(...)
@@ -60,6 +61,7 @@ class RunConfig:
     kill_md_after_s: float | None = None
     kill_md_after_tokens: int | None = None
     md_transfer_timeout_s: float | None = None
+    stream_kv: bool = True
     corrupt_handoffs: int = 0
     deadline_s: float = 900.0
 
@@ -91,7 +93,7 @@ def run_deployment(config: RunConfig, scenario: Scenario, network: Network,
                                  "prior_bytes_per_s": network.bandwidth_bps / 8,
                                  "prior_rtt_s": 2 * network.delay_ms / 1e3}},
             "P": {**common, "listen": place.p_listen, "send_bytes": 2 * config.staging_bytes,
-                  "md_transfer_timeout_s": config.md_transfer_timeout_s},
+                  "md_transfer_timeout_s": config.md_transfer_timeout_s, "stream_kv": config.stream_kv},
             "RLD": {**common, "listen": place.rld_listen, "staging_bytes": config.staging_bytes,
                     "md_address": place.md_from_a, "catch_up_threshold": config.catch_up_threshold,
                     "capacity": config.rld_capacity, "corrupt_handoffs": config.corrupt_handoffs},

@@ -10,6 +10,7 @@ import torch
 
 from .. import unpack
 from ..model import Model, KVPool, SamplerState, SamplingParams, SequenceKV, sample
+from .kv_arrivals import KvArrivals
 from .wire import KvReady
 
 __all__ = ["Running", "DecodeLoop", "DecodeRole", "land_kv"]
@@ -91,8 +92,11 @@ class DecodeRole:
     (without blocking while requests are decoding), then one decode step.
 
     Subclasses provide ``node``, ``loop``, ``handle_front(msg)``, ``handle_lane(message)``
-    (a :class:`pddcore.transfer.Message`) and ``decode()``.
+    (a :class:`pddcore.transfer.Message`) and ``decode()``. Streamed KV reaches
+    ``handle_lane`` as its KV-ready note once every layer landed (:class:`.KvArrivals`).
     """
+
+    kv_arrivals: KvArrivals
 
     def serve(self) -> None:
         while True:
@@ -100,5 +104,6 @@ class DecodeRole:
                 self.handle_front(msg)
             busy = bool(self.loop.running)
             for message in self.node.engine.poll_messages(0 if busy else 0.005):
-                self.handle_lane(message)
+                for arrived in self.kv_arrivals.feed(message):
+                    self.handle_lane(arrived)
             self.decode()

@@ -26,6 +26,7 @@ from ..radix import RadixCache, RadixNode
 from ..transfer import Message, Peer, TransferError
 from . import wire
 from .decoding import DecodeLoop, DecodeRole, Running, land_kv
+from .kv_arrivals import KvArrivals
 from .node import Node, cache_sequence, cached_prefix, with_room
 
 __all__ = ["serve"]
@@ -55,6 +56,7 @@ class MainDecode(DecodeRole):
         self.page_size = config["page_size"]
         self.cache = RadixCache(self.page_size)
         self.loop = DecodeLoop(self.node.model)
+        self.kv_arrivals = KvArrivals()
         self.rld_address = config.get("rld_address")
         self.rld_peer: Peer | None = None
         self.lookups: dict[str, _Lookup] = {}

@@ -1,12 +1,16 @@
 """The P role: prefix-cached prefill and the dual KV send.
 
 P keeps its own :class:`pddcore.radix.RadixCache` over its KV pool and prefills only the
-suffix of a context it lacks. It samples the first output token from the prefill
-logits, packs the pages each receiver lacks (all of them for RLD; for MD those past
-MD's cached prefix, which the front learned from MD's radix cache) into its registered
-send buffer, and writes them into the receivers' staging regions at once: to RLD over
-the local link, to MD over the WAN. Each write carries a :class:`~.wire.KvReady`
-notification, delivered only after every byte was verified and applied.
+suffix of a context it lacks. Each receiver gets the pages it lacks (all of them for
+RLD; for MD those past MD's cached prefix, which the front learned from MD's radix
+cache), packed into P's registered send buffer and written into the receiver's staging
+region: to RLD over the local link, to MD over the WAN. With ``stream_kv`` (the default)
+every layer is packed and posted as soon as prefill wrote it (:mod:`pddcore.streaming`),
+so the transfer overlaps prefill; once P sampled the first output token it writes a small
+commit (the token) whose notification is the :class:`~.wire.KvReady` note, which the
+receiver handles once every layer landed (:mod:`.kv_arrivals`). Without ``stream_kv`` the
+pages go as one write after prefill, its notification the note. A notification is
+delivered only after every byte of its write was verified and applied.
 
 Front -> P: ``("peers", {"rld": descriptor hex, "md": ...})``, ``("job", dict)``,
 ``("staging_free", target, offset)``, ``("md_lost",)``.
@@ -19,13 +23,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import pack
 from ..model import SamplerState, SamplingParams, sample
 from ..radix import RadixCache
+from ..streaming import LayerStreamSender
 from ..transfer import Peer, RegionDescriptor, Transfer, TransferError
 from . import wire
 from .node import Node, cache_sequence, cached_prefix, with_room
@@ -34,16 +39,38 @@ from .staging import RangeAllocator
 __all__ = ["serve"]
 
 
+_COMMIT_BYTES = 8  # the first token, written after the streamed layers; its notification is the note
+
+
 @dataclass
 class _Send:
+    """One request's KV to one receiver: its ranges, then its transfers (one per layer and
+    the commit when streamed, else one)."""
+
     rid: str
     target: str
-    transfer: Transfer
+    pages: slice          # of the request's pages, the ones this receiver lacks
     src_offset: int
     dst_offset: int
-    nbytes: int
+    nbytes: int           # the packed pages (the commit slot follows them when streamed)
     started: float
     deadline: float | None
+    stream: LayerStreamSender | None = None
+    transfers: list[Transfer] = field(default_factory=list)
+    broken: bool = False  # a post was refused: the send fails as soon as it is polled
+
+    @property
+    def status(self) -> str:
+        states = {t.status for t in self.transfers}
+        if self.broken or "failed" in states:
+            return "failed"
+        if "cancelled" in states:
+            return "cancelled"
+        return "pending" if "pending" in states or not self.transfers else "done"
+
+    @property
+    def bytes_acked(self) -> int:
+        return sum(t.bytes_acked for t in self.transfers)
 
 
 @dataclass
@@ -62,6 +89,7 @@ class Prefill:
         self.send_region = self.node.engine.register(self.send_buf)
         self.send_ranges = RangeAllocator(self.send_buf.numel())
         self.md_timeout_s = config.get("md_transfer_timeout_s")
+        self.stream_kv = config.get("stream_kv", True)
         self.targets: dict[str, _Target] = {}
         self.jobs: deque[dict] = deque()
         self.sends: list[_Send] = []
@@ -102,44 +130,96 @@ class Prefill:
         started = time.perf_counter()
         pool = self.node.pool
         seq, cached = cached_prefix(pool, self.cache, context[:len(context) - 1])  # >= 1 token left to prefill
+        num_pages = pool.pages_for(len(context))
         try:
-            logits = with_room(pool, self.cache, lambda: self.node.model.prefill([seq], [context[cached:]]))
+            sends = [s for s in (self.open_send(job, name, num_pages) for name in job["targets"]) if s is not None]
+
+            def post_layer(layer: int) -> None:
+                for s in sends:
+                    self.post_layer(s, seq.pages[:num_pages], layer)
+
+            logits = with_room(pool, self.cache, lambda: self.node.model.prefill(
+                [seq], [context[cached:]], on_layer=post_layer if self.stream_kv else None))
             token = sample(logits, [self.params], [SamplerState(job["seed"], job["out_index"])])[0]
             cache_sequence(pool, self.cache, context, seq)
             self.node.to_hub("prefilled", rid, cached, time.perf_counter() - started)
-            pages = seq.pages[:self.node.pool.pages_for(len(context))]
-            for target in job["targets"]:
-                first = job["md_cached"] if target == "md" else 0
-                self.send(job, target, pages[first // self.page_size:], first, token)
+            for s in sends:
+                self.commit(s, job, seq.pages[:num_pages], token)
         finally:
             self.node.pool.release(seq)
 
     # ---- sends -----------------------------------------------------------------------
-    def send(self, job: dict, name: str, pages: list[int], first_token: int, token: int) -> None:
+    def open_send(self, job: dict, name: str, num_pages: int) -> _Send | None:
+        """Reserves the ranges of one receiver's send (None, reported failed, when the
+        receiver is lost meanwhile)."""
         rid = job["rid"]
-        nbytes = self.node.layout.packed_nbytes(len(pages))
-        src = self.wait_for(self.send_ranges, nbytes)
+        first = (job["md_cached"] if name == "md" else 0) // self.page_size
+        nbytes = self.node.layout.packed_nbytes(num_pages - first)
+        span = nbytes + (_COMMIT_BYTES if self.stream_kv else 0)
+        src = self.wait_for(self.send_ranges, span)
         target = self.targets.get(name)
-        dst = None if target is None else self.wait_for(target.ranges, nbytes, name)
+        dst = None if target is None else self.wait_for(target.ranges, span, name)
         if dst is None:
             self.send_ranges.free(src)
             self.node.to_hub("xfer", rid, name, "failed", 0, {})
-            return
-        pack(self.node.layout, torch.tensor(pages, dtype=torch.int64), out=self.send_buf[src:src + nbytes])
-        note = wire.KvReady(rid, len(job["context"]), first_token, dst, nbytes, token, job["out_index"],
-                            job["pipeline"], job["max_new_tokens"], job["seed"])
+            return None
         now = time.perf_counter()
-        try:
-            transfer = self.node.engine.write(target.peer, self.send_region, src, target.descriptor, dst, nbytes,
-                                              notify=wire.encode_kv(note))
-        except TransferError as e:  # refused before a byte was sent
-            self.node.log.warning("write of %s to %s refused: %s", rid, name, e)
-            self.send_ranges.free(src)
-            target.ranges.free(dst)
-            self.node.to_hub("xfer", rid, name, "failed", 0, {})
-            return
         deadline = now + self.md_timeout_s if name == "md" and self.md_timeout_s else None
-        self.sends.append(_Send(rid, name, transfer, src, dst, nbytes, now, deadline))
+        s = _Send(rid, name, slice(first, num_pages), src, dst, nbytes, now, deadline)
+        if self.stream_kv:
+            s.stream = LayerStreamSender(self.node.engine, target.peer, rid.encode(), self.node.model.config.num_layers)
+        return s
+
+    def post_layer(self, s: _Send, pages: list[int], layer: int) -> None:
+        """Packs and posts one layer of ``s`` (layers are contiguous in the packed order)."""
+        if s.broken:
+            return
+        per_layer = s.nbytes // self.node.model.config.num_layers
+        lo = s.src_offset + layer * per_layer
+        pack(self.node.layout, torch.tensor(pages[s.pages], dtype=torch.int64), layers=[layer],
+             out=self.send_buf[lo:lo + per_layer])
+        target = self.targets.get(s.target)
+        try:
+            if target is None:
+                raise TransferError(f"{s.target} was lost")
+            s.transfers.append(s.stream.post(layer, [(self.send_region, lo, target.descriptor,
+                                                      s.dst_offset + layer * per_layer, per_layer)]))
+        except TransferError as e:
+            self.node.log.warning("layer %d of %s to %s refused: %s", layer, s.rid, s.target, e)
+            s.broken = True
+
+    def commit(self, s: _Send, job: dict, pages: list[int], token: int) -> None:
+        """Sends what is left of ``s`` with the KV-ready note as its notification: the commit
+        after the streamed layers, or (unstreamed) all the pages."""
+        note = wire.KvReady(s.rid, len(job["context"]), s.pages.start * self.page_size, s.dst_offset, s.nbytes, token,
+                            job["out_index"], job["pipeline"], job["max_new_tokens"], job["seed"],
+                            streamed=s.stream is not None)
+        target = self.targets.get(s.target)
+        if s.stream is not None:
+            commit = self.send_buf[s.src_offset + s.nbytes:s.src_offset + s.nbytes + _COMMIT_BYTES]
+            commit.view(torch.int64)[0] = token
+            write = (self.send_region, s.src_offset + s.nbytes, None, s.dst_offset + s.nbytes, _COMMIT_BYTES)
+        else:
+            pack(self.node.layout, torch.tensor(pages[s.pages], dtype=torch.int64),
+                 out=self.send_buf[s.src_offset:s.src_offset + s.nbytes])
+            write = (self.send_region, s.src_offset, None, s.dst_offset, s.nbytes)
+        if not s.broken:
+            try:
+                if target is None:
+                    raise TransferError(f"{s.target} was lost")
+                src_region, src, _, dst, n = write
+                s.transfers.append(self.node.engine.write(target.peer, src_region, src, target.descriptor, dst, n,
+                                                          notify=wire.encode_kv(note)))
+            except TransferError as e:
+                self.node.log.warning("write of %s to %s refused: %s", s.rid, s.target, e)
+                s.broken = True
+        if s.broken and not s.transfers:  # refused before a byte was sent: nothing to fence
+            self.send_ranges.free(s.src_offset)
+            if target is not None:
+                target.ranges.free(s.dst_offset)
+            self.node.to_hub("xfer", s.rid, s.target, "failed", 0, {})
+            return
+        self.sends.append(s)
 
     def wait_for(self, ranges: RangeAllocator, nbytes: int, target: str | None = None) -> int | None:
         """A range of ``nbytes``, serving the front and the sends while none is free; None
@@ -159,7 +239,7 @@ class Prefill:
         now = time.perf_counter()
         still = []
         for s in self.sends:
-            status = s.transfer.status
+            status = s.status
             if status == "pending" and s.deadline is not None and now > s.deadline:
                 self.finish(s, "timeout")
             elif status == "pending":
@@ -172,7 +252,8 @@ class Prefill:
         """Cancels ``s`` (a failed one too) and waits for the receiver's fence: afterwards no
         byte of it lands. False when the receiver could not confirm (it is gone or frozen)."""
         try:
-            s.transfer.cancel()
+            for t in s.transfers:
+                t.cancel()
             return True
         except TransferError as e:
             self.node.log.warning("transfer of %s to %s not fenced: %s", s.rid, s.target, e)
@@ -184,7 +265,7 @@ class Prefill:
             # the receiver never saw the notification, so its range comes back here; an
             # unfenced one stays taken (nothing may reuse bytes a late chunk could still hit)
             self.targets[s.target].ranges.free(s.dst_offset)
-        sent = s.nbytes if status == "done" else s.transfer.bytes_acked
+        sent = s.nbytes if status == "done" else s.bytes_acked
         target = self.targets.get(s.target)
         link = self.node.engine.stats()["peers"].get(target.peer.address, {}) if target else {}
         self.node.to_hub("xfer", s.rid, s.target, status, sent, link)

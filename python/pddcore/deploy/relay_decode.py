@@ -23,6 +23,7 @@ from ..handoff import FINAL, Handoff, HandoffMode, HandoffPolicy, HandoffState, 
 from ..transfer import Message, Peer, TransferError
 from . import wire
 from .decoding import DecodeLoop, DecodeRole, Running, land_kv
+from .kv_arrivals import KvArrivals
 from .node import Node
 
 __all__ = ["serve"]
@@ -42,6 +43,7 @@ class RelayDecode(DecodeRole):
     def __init__(self, config: dict):
         self.node = Node("RLD", config)
         self.loop = DecodeLoop(self.node.model)
+        self.kv_arrivals = KvArrivals()
         self.policy = HandoffPolicy(catch_up_threshold=config.get("catch_up_threshold", 64))
         self.capacity = config.get("capacity", 8)
         self.md_address = config["md_address"]

@@ -29,7 +29,9 @@ class KvReady:
     the pages of context tokens ``[first_token, context_len)`` (``first_token`` is the
     receiver's cached prefix, page-aligned). ``token`` is output token number
     ``out_index``, sampled by P from the prefill logits; the request stops after
-    ``max_new_tokens`` output tokens (or an EOS token) and samples with ``seed``."""
+    ``max_new_tokens`` output tokens (or an EOS token) and samples with ``seed``.
+    ``streamed``: the pages came as a layer stream keyed by ``rid`` during prefill, and this
+    note is the notification of the commit written after it (:mod:`.kv_arrivals`)."""
 
     rid: str
     context_len: int
@@ -41,6 +43,7 @@ class KvReady:
     pipeline: str
     max_new_tokens: int
     seed: int
+    streamed: bool = False
 
 
 def encode_kv(msg: KvReady) -> bytes:
