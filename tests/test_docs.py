@@ -1,0 +1,307 @@
+"""Checks on README.md and docs/*.md.
+
+* The README stays a front door: under README_LIMIT_BYTES.
+* Every relative link and image resolves to a file, and every #anchor to a heading.
+* Every `pddcore ...` line of a bash block parses with the real command-line parser.
+* The README's Python blocks run, in order, as one script (the WAN one only where a
+  WAN link can be built).
+* Figures quoted beside a sample output are in that sample. A section whose heading
+  starts with "Sample output" shows a fenced block; each number in the prose after the
+  block must be a number of the block, to the precision the prose gives (prose 0.80x
+  matches 0.797x) and, when the prose gives a unit, in that unit. A paragraph anywhere
+  that links to such a section is held to the same rule.
+
+Example of what fails: a sample block holding ``avx512 in cache 69.4 GB/s`` and the
+prose after it saying ``85 GB/s in cache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+README_LIMIT_BYTES = 12 * 1024
+
+_FENCE = re.compile(r"^\s*```\s*(\w*)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
+_LINK = re.compile(r"!?\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_CODE_SPAN = re.compile(r"`[^`]*`")
+_LIST_ITEM = re.compile(r"\s*(?:[-*]|\d+\.)\s")
+# Dates, clock times, dotted versions and addresses label a run; they are not figures.
+_NOT_FIGURES = re.compile(r"\d{4}-\d\d-\d\d(?:T[\d:.]+(?:[+-]\d\d:\d\d)?)?|\b\d\d:\d\d\b|\b\d+\.\d+\.\d+\S*")
+_NUMBER = r"\d+(?:\.\d+)?(?:e[+-]?\d+)?"
+# Units a figure may carry, each alias mapped to one spelling. "x" (a ratio) follows its
+# number directly; the others may follow a space.
+_UNITS = {"GB/s": "GB/s", "Gbit/s": "Gbit/s", "Gb/s": "Gbit/s", "Mbit/s": "Mbit/s", "kpps": "kpps",
+          "ops/s": "ops/s", "pkt/s": "pkt/s", "ms": "ms", "s": "s", "%": "%", "KB": "KB", "MB": "MB",
+          "KiB": "KiB", "MiB": "MiB", "B": "B"}
+_UNIT = r"(x|\s?(?:" + "|".join(sorted(map(re.escape, _UNITS), key=len, reverse=True)) + r"))(?![\w/])"
+_FIGURE = re.compile(rf"({_NUMBER})(?:{_UNIT})?")
+_RANGE_END = re.compile(rf"\s?[-–]\s?{_NUMBER}{_UNIT}")  # "1.1-1.4x": the unit of both ends
+# A row of `pddcore bench`'s summary table: its baseline column has the value's unit.
+_SUMMARY_ROW = re.compile(r"\s(?P<value>[\d.e+-]+) (?P<unit>\S+)\s+(?P<baseline>[\d.e+-]+)\s{2,}\S.*\s[\d.e+-]+x$")
+
+
+@dataclass(frozen=True)
+class Figure:
+    text: str  # as written, e.g. "0.80"
+    unit: str | None  # canonical unit; None when the text gives none
+
+    def __str__(self) -> str:
+        return self.text + (self.unit or "") if self.unit == "x" else f"{self.text} {self.unit or ''}".strip()
+
+    def rounds_from(self, measured: "Figure") -> bool:
+        """True when `measured` (a sample's number) rounds to this figure, in the same unit."""
+        if self.unit is not None and self.unit != measured.unit:
+            return False
+        decimals = len(self.text.split(".")[1]) if "." in self.text and "e" not in self.text else 0
+        return abs(float(measured.text) - float(self.text)) <= 0.5 * 10 ** -decimals * (1 + 1e-9)
+
+
+@dataclass(frozen=True)
+class Section:
+    page: Path
+    heading: str
+    anchor: str
+    lines: list[tuple[str, str | None]]  # (line, language of the fenced block it is in, "" for none given)
+
+    @property
+    def is_sample(self) -> bool:
+        return self.heading.startswith("Sample output")
+
+    def sample_block_and_prose(self) -> tuple[str, str]:
+        """The first fenced block, and the prose after it (later fenced blocks left out)."""
+        fences = [i for i, (line, _) in enumerate(self.lines) if _FENCE.match(line)]
+        if len(fences) < 2:
+            return "", ""
+        block = "\n".join(line for line, _ in self.lines[fences[0] + 1:fences[1]])
+        prose = "\n".join(line for line, lang in self.lines[fences[1] + 1:] if lang is None)
+        return block, prose
+
+
+def _unit(text: str | None) -> str | None:
+    return None if text is None else "x" if text == "x" else _UNITS[text.strip()]
+
+
+def figures(text: str) -> list[Figure]:
+    """Numbers of `text` that stand as figures: not part of a word (p99, sm_90, AES-128,
+    64K), nor a date, clock time, version or address."""
+    text = _NOT_FIGURES.sub(" ", text)
+    found = []
+    for m in _FIGURE.finditer(text):
+        before = text[max(m.start() - 2, 0):m.start()].rjust(2)
+        if before[1].isalnum() or before[1] in "_." or (before[1] == "-" and (before[0].isalpha() or before[0] == "_")):
+            continue
+        after = text[m.end():m.end() + 1]
+        if m.group(2) is None and (after.isalpha() or after == "_"):
+            continue
+        unit = m.group(2)
+        if unit is None and (range_end := _RANGE_END.match(text, m.end())):
+            unit = range_end.group(1)
+        found.append(Figure(m.group(1), _unit(unit)))
+    return found
+
+
+def sample_figures(block: str) -> list[Figure]:
+    found = figures(block)
+    for line in block.splitlines():
+        row = _SUMMARY_ROW.search(line)
+        if row and row["unit"] in _UNITS:
+            found.append(Figure(row["baseline"], _UNITS[row["unit"]]))
+    return found
+
+
+def unmatched_figures(prose: str, block: str) -> list[str]:
+    """Figures of `prose` that no number of `block` rounds to."""
+    measured = sample_figures(block)
+    prose = _CODE_SPAN.sub(" ", _LINK.sub(lambda m: m.group(1), prose))
+    return [str(f) for f in figures(prose) if not any(f.rounds_from(m) for m in measured)]
+
+
+def _lines_with_fences(markdown: str) -> list[tuple[str, str | None]]:
+    lines, language = [], None
+    for line in markdown.splitlines():
+        fence = _FENCE.match(line)
+        if fence and language is None:
+            language = fence.group(1)
+            lines.append((line, language))
+        elif fence:
+            lines.append((line, language))
+            language = None
+        else:
+            lines.append((line, language))
+    return lines
+
+
+def anchor_of(heading: str, seen: dict[str, int]) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, each space a
+    hyphen, "-N" added to the N-th repeat."""
+    slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+    count = seen.get(slug, 0)
+    seen[slug] = count + 1
+    return f"{slug}-{count}" if count else slug
+
+
+def sections(page: Path) -> list[Section]:
+    """The page cut at every heading; text before the first heading is a section titled ""."""
+    found, seen = [Section(page, "", "", [])], {}
+    for line, language in _lines_with_fences(page.read_text()):
+        heading = _HEADING.match(line) if language is None else None
+        if heading:
+            found.append(Section(page, heading.group(2), anchor_of(heading.group(2), seen), []))
+        else:
+            found[-1].lines.append((line, language))
+    return found
+
+
+def paragraphs(page: Path) -> list[str]:
+    """Paragraphs and list items of a page, fenced blocks left out."""
+    found, current = [], []
+    for line, language in _lines_with_fences(page.read_text()):
+        item = language is None and _LIST_ITEM.match(line)
+        if language is not None or not line.strip() or item:
+            found.append("\n".join(current))
+            current = [line] if item else []
+        else:
+            current.append(line)
+    return [p for p in found + ["\n".join(current)] if p]
+
+
+def relative_links(page: Path) -> list[str]:
+    return [m.group(2) for p in paragraphs(page) for m in _LINK.finditer(_CODE_SPAN.sub(" ", p))
+            if not re.match(r"[a-z]+:", m.group(2))]
+
+
+def resolve(page: Path, link: str) -> tuple[Path, str]:
+    target, _, anchor = link.partition("#")
+    return (page.parent / target if target else page).resolve(), anchor
+
+
+SAMPLES = [s for page in PAGES for s in sections(page) if s.is_sample]
+
+
+def test_readme_is_a_front_door():
+    size = len(README.read_bytes())
+    assert size < README_LIMIT_BYTES, f"README.md is {size} bytes; move detail into docs/ (limit {README_LIMIT_BYTES})"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    broken = []
+    for link in relative_links(page):
+        target, anchor = resolve(page, link)
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in {s.anchor for s in sections(target)}:
+            broken.append(f"{link}: no heading with anchor #{anchor} in {target.name}")
+    assert not broken, f"{page.name}: " + "; ".join(broken)
+
+
+def test_the_benchmark_page_quotes_its_samples():
+    samples = [s for s in SAMPLES if s.page.name == "benchmarks.md"]
+    assert samples, "docs/benchmarks.md has no 'Sample output' section"
+    for s in samples:
+        block, prose = s.sample_block_and_prose()
+        assert block.strip(), f"{s.heading}: no fenced sample block"
+        assert figures(prose), f"{s.heading}: no prose quoting the sample after its block"
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: f"{s.page.name}#{s.anchor}")
+def test_prose_after_a_sample_quotes_the_sample(sample):
+    block, prose = sample.sample_block_and_prose()
+    wrong = unmatched_figures(prose, block)
+    assert not wrong, f"{sample.page.name}, '{sample.heading}': figures not in its sample block: {wrong}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_paragraphs_citing_a_sample_quote_it(page):
+    blocks = {(s.page.resolve(), s.anchor): s.sample_block_and_prose()[0] for s in SAMPLES}
+    wrong = []
+    for paragraph in paragraphs(page):
+        for m in _LINK.finditer(paragraph):
+            block = blocks.get(resolve(page, m.group(2)))
+            if block is not None and (missing := unmatched_figures(paragraph, block)):
+                wrong.append(f"{missing} (citing {m.group(2)})")
+    assert not wrong, f"{page.name}: figures not in the sample they cite: " + "; ".join(wrong)
+
+
+def test_a_wrong_figure_beside_a_sample_is_caught():
+    block = ("crc32c  where     crc GB/s\navx512  in cache      69.4\n"
+             "transfer crc32c avx512, in cache      69.37 GB/s    36.9  memcpy     1.88x")
+    assert unmatched_figures("CRC32C runs at 69.4 GB/s in cache, 1.88x memcpy.", block) == []
+    assert unmatched_figures("About 69 GB/s, 1.9x memcpy (36.9 GB/s).", block) == []
+    assert unmatched_figures("CRC32C runs at 85 GB/s in cache.", block) == ["85 GB/s"]
+    assert unmatched_figures("memcpy at 1.88 GB/s", block) == ["1.88 GB/s"]  # the ratio is no GB/s
+    assert unmatched_figures("pack 1.1-1.4x copy", block) == ["1.1x", "1.4x"]
+    assert unmatched_figures("p99, AES-128, sm_90, 64K on 2026-12-02 14:13, torch 2.13.0", block) == []
+
+
+def _command_parser() -> argparse.ArgumentParser:
+    """The parser `pddcore` builds, from the same table of subcommands."""
+    cli = importlib.import_module("pddcore.cli")
+    parser = argparse.ArgumentParser(prog="pddcore")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, _help) in cli.COMMANDS.items():
+        importlib.import_module(module_name).add_arguments(sub.add_parser(name))
+    return parser
+
+
+_SEPARATOR_CHARS = set(";&|\n")  # between commands: ;, &&, ||, |, &, a new line
+_WRAPPERS = {"sudo", "time"}
+
+
+def _shell_commands(script: str) -> list[list[str]]:
+    """The words of each command of a bash script (quotes may span lines, "\\" continues one)."""
+    script = "\n".join(re.sub(r"(^|\s)#.*$", "", line) for line in script.replace("\\\n", " ").splitlines())
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=";&|\n")
+    lexer.whitespace, lexer.whitespace_split, lexer.commenters = " \t\r", True, ""
+    commands, current = [], []
+    for word in [*lexer, "\n"]:
+        if not set(word) - _SEPARATOR_CHARS:
+            while current and (current[0] in _WRAPPERS or re.match(r"\w+=", current[0])):
+                current.pop(0)
+            commands += [current] if current else []
+            current = []
+        else:
+            current.append(word)
+    return commands
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """(page, arguments) of every `pddcore` command in the pages' bash blocks."""
+    found = []
+    for page in PAGES:
+        script = "\n".join(line for line, language in _lines_with_fences(page.read_text())
+                           if language in ("bash", "sh") and not _FENCE.match(line))
+        found += [(page.name, shlex.join(words[1:])) for words in _shell_commands(script) if words[0] == "pddcore"]
+    return found
+
+
+@pytest.mark.parametrize("page,command", _documented_commands())
+def test_documented_commands_parse(page, command):
+    try:
+        _command_parser().parse_args(shlex.split(command))
+    except SystemExit as exc:
+        pytest.fail(f"{page}: `pddcore {command}` does not parse (exit {exc.code})")
+
+
+def test_readme_python_runs():
+    from pddcore.testing.wan import unavailable_reason
+
+    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    assert blocks, "README.md has no Python example"
+    if unavailable_reason() is not None:
+        blocks = [b for b in blocks if "WanLink" not in b]
+    run = subprocess.run([sys.executable, "-c", "\n".join(blocks)], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, f"README.md's Python examples failed:\n{run.stderr[-3000:]}"
