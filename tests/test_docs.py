@@ -59,7 +59,7 @@ class Figure:
     unit: str | None  # canonical unit; None when the text gives none
 
     def __str__(self) -> str:
-        return self.text + (self.unit or "") if self.unit == "x" else f"{self.text} {self.unit or ''}".strip()
+        return f"{self.text}x" if self.unit == "x" else f"{self.text} {self.unit or ''}".strip()
 
     def rounds_from(self, measured: "Figure") -> bool:
         """True when `measured` (a sample's number) rounds to this figure, in the same unit."""
@@ -100,13 +100,13 @@ def figures(text: str) -> list[Figure]:
     text = _NOT_FIGURES.sub(" ", text)
     found = []
     for m in _FIGURE.finditer(text):
-        before = text[max(m.start() - 2, 0):m.start()].rjust(2)
-        if before[1].isalnum() or before[1] in "_." or (before[1] == "-" and (before[0].isalpha() or before[0] == "_")):
-            continue
-        after = text[m.end():m.end() + 1]
-        if m.group(2) is None and (after.isalpha() or after == "_"):
+        two_before, after = text[max(m.start() - 2, 0):m.start()].rjust(2), text[m.end():m.end() + 1]
+        word_before = two_before[1] == "-" and (two_before[0].isalpha() or two_before[0] == "_")  # AES-128
+        if two_before[1].isalnum() or two_before[1] in "_." or word_before:
             continue
         unit = m.group(2)
+        if unit is None and (after.isalpha() or after == "_"):
+            continue
         if unit is None and (range_end := _RANGE_END.match(text, m.end())):
             unit = range_end.group(1)
         found.append(Figure(m.group(1), _unit(unit)))
@@ -130,17 +130,17 @@ def unmatched_figures(prose: str, block: str) -> list[str]:
 
 
 def _lines_with_fences(markdown: str) -> list[tuple[str, str | None]]:
+    """Each line with the language of the fenced block it belongs to (fences included):
+    None outside blocks, "" for a block that names none."""
     lines, language = [], None
     for line in markdown.splitlines():
         fence = _FENCE.match(line)
-        if fence and language is None:
+        opens = fence is not None and language is None
+        if opens:
             language = fence.group(1)
-            lines.append((line, language))
-        elif fence:
-            lines.append((line, language))
+        lines.append((line, language))
+        if fence and not opens:
             language = None
-        else:
-            lines.append((line, language))
     return lines
 
 
