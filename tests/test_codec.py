@@ -437,15 +437,17 @@ def test_bench_greedy_harness_matches_generate_and_really_quantizes():
 
     model = Model.default(seed=0)
     prompts = [[(7 * i + 3) % 4096 for i in range(37)], [(11 * i + 1) % 4096 for i in range(16)]]
-    pairs = codec_cases._decode_pairs(model, prompts, [6, 3])
-    for prompt, n, (exact, _) in zip(prompts, [6, 3], pairs):
-        assert exact == generate(model, prompt, n)  # the exact arm is the demo's reference decode
+    runs = codec_cases._decode_arms(model, prompts, [6, 3])
+    for prompt, n, tokens in zip(prompts, [6, 3], runs):
+        assert tokens["exact"] == generate(model, prompt, n)  # the exact arm is the demo's reference decode
+        assert set(tokens) == {"exact", *codec_cases.ROUNDTRIPS} and all(len(t) == n for t in tokens.values())
     pool = model.new_pool(8, codec_cases.PAGE_SIZE)
     exact = pool.new_sequence()
     model.prefill([exact], [prompts[0]])
     lossy = pool.allocate_sequence(len(prompts[0]))
-    codec_cases._fp8_copy(model, pool, exact, lossy)
-    rows = [pddcore.pack(pool.layout(), torch.tensor(s.pages)).view(torch.float64).view(model.config.num_layers * 2 * len(s.pages), -1)
+    codec_cases._roundtrip_copy(model, pool, exact, lossy, codec_cases.ROUNDTRIPS["fp8"])
+    per_page = model.config.num_layers * 2  # rows of one page: every layer's K and V
+    rows = [pddcore.pack(pool.layout(), torch.tensor(s.pages)).view(torch.float64).view(per_page * len(s.pages), -1)
             for s in (exact, lossy)]
     assert not torch.equal(rows[0], rows[1])
     assert bool(((rows[1] - rows[0]).abs() <= fp8_error_bound(rows[0], rows[1])).all())

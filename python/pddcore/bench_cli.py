@@ -259,8 +259,8 @@ def case_codec(quick: bool, backend: str) -> CaseOutput:
                  Row("codec", f"{tag}: decode", p.decode_gbps, "memcpy", p.memcpy_gbps, "GB/s")]
     rows += [Row("codec", f"fp8, {e.kv}: max error / page amax", e.max_rel_amax, "E4M3 bound", e.bound_rel_amax, "")
              for e in report.fp8]
-    g = report.greedy
-    rows.append(Row("codec", "fp8 KV: requests with identical greedy tokens", g.identical, "requests", g.requests, ""))
+    rows += [Row("codec", f"{g.arm} KV: identical greedy requests", g.identical, "requests", g.requests, "")
+             for g in report.greedy]
     return CaseOutput(report.as_dict(), codec_cases.format_report(report), rows)
 
 

@@ -17,10 +17,12 @@ FP8 error per dtype: max and mean absolute error, and relative to each page's am
 beside E4M3's bound 2^-4 of the page amax.
 
 Greedy agreement: every request of the demo trace (``quick``: the first sessions) is
-decoded greedily by the demo's float64 model twice from the same prefill: once on the
-exact prefix KV, once after that KV went through FP8 and back (as MD would receive it);
-the first token comes from the prefill's logits in both, as P samples it. Reported: the
-fraction of requests whose continuation is identical, and where the others first differ.
+decoded greedily by the demo's float64 model from the same prefill: on the exact prefix
+KV, after that KV went through FP8 and back (as MD would receive it), and, as a control
+for how fragile the model's greedy choices are, after rounding it to bfloat16. The first
+token comes from the prefill's logits in every arm, as P samples it. Reported per arm:
+the fraction of requests whose continuation is identical to the exact one, and where
+the others first differ.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class Fp8Error:
 
 @dataclass
 class GreedyAgreement:
+    arm: str  # how the prefix KV was altered (a key of ROUNDTRIPS)
     requests: int
     identical: int
     tokens_compared: int
@@ -116,14 +119,21 @@ def documents(scenario: Scenario, quick: bool) -> list[list[int]]:
 
 def prefilled_kv(model: Model, contexts: list[list[int]]) -> torch.Tensor:
     """The model's KV of ``contexts`` (each prefilled on its own), packed and viewed as
-    ``[layers * 2 * pages, page elements]`` in the model's dtype."""
+    ``[layers * 2 * pages, page elements]`` in the model's dtype. A page whose tokens up to
+    its end were already taken (the shared system prompt) is taken once: a decode-side
+    prefix cache holds it, so P would not send it again."""
     vocab = model.config.vocab_size
     pool = model.new_pool(sum(-(-len(c) // PAGE_SIZE) for c in contexts), PAGE_SIZE)
-    pages = []
+    pages, taken = [], set()
     for context in contexts:
+        context = [t % vocab for t in context]
         seq = pool.new_sequence()
-        model.prefill([seq], [[t % vocab for t in context]])
-        pages += seq.pages
+        model.prefill([seq], [context])
+        for i, page in enumerate(seq.pages):
+            prefix = tuple(context[:(i + 1) * PAGE_SIZE])
+            if prefix not in taken:
+                taken.add(prefix)
+                pages.append(page)
     buf = pack(pool.layout(), torch.tensor(pages, dtype=torch.int64))
     return buf.view(model.dtype).view(model.config.num_layers * 2 * len(pages), -1)
 
@@ -183,14 +193,13 @@ def fp8_error(kv_name: str, kv: torch.Tensor) -> Fp8Error:
 
 # ---- greedy tokens on FP8 KV ------------------------------------------------------------------------------
 
-
-def _fp8_copy(model: Model, pool, seq, into) -> None:
-    """Writes ``seq``'s KV, through an FP8 frame and back, into the sequence ``into``."""
-    layout = pool.layout()
-    buf = pack(layout, torch.tensor(seq.pages, dtype=torch.int64))
-    rows = buf.view(model.dtype).view(model.config.num_layers * 2 * len(seq.pages), -1)
-    back = codec.decode(codec.get("fp8").encode(rows))
-    unpack(layout, torch.tensor(into.pages, dtype=torch.int64), back.view(-1).view(torch.uint8))
+# How the prefix KV reaches MD in each arm of the greedy comparison: through the FP8 codec,
+# and, as a control for how fragile the model's greedy choices are, rounded to bfloat16
+# (what a bfloat16 engine stores anyway).
+ROUNDTRIPS = {
+    "fp8": lambda rows: codec.decode(codec.get("fp8").encode(rows)),
+    "bfloat16 rounding (control)": lambda rows: rows.to(torch.bfloat16).to(rows.dtype),
+}
 
 
 def _greedy(logits: torch.Tensor) -> list[int]:
@@ -198,54 +207,69 @@ def _greedy(logits: torch.Tensor) -> list[int]:
     return sample(logits, [SamplingParams()] * n, [SamplerState(0) for _ in range(n)])
 
 
-def _decode_pairs(model: Model, contexts: list[list[int]], max_new: list[int]) -> list[tuple[list[int], list[int]]]:
-    """Greedy continuations of each context on exact and on FP8-roundtripped prefix KV,
-    all requests and both arms in one decode batch."""
-    need = sum(2 * -(-(len(c) + n) // PAGE_SIZE) for c, n in zip(contexts, max_new))
-    pool = model.new_pool(need, PAGE_SIZE)  # fresh (zeroed): no stale slots sway a page's scale
-    exact = [pool.new_sequence() for _ in contexts]
-    first = _greedy(model.prefill(exact, contexts))
-    lossy = [pool.allocate_sequence(len(c)) for c in contexts]
-    for e, f in zip(exact, lossy):
-        _fp8_copy(model, pool, e, f)
-    outputs = [[t] for t in first] + [[t] for t in first]
-    seqs, limits = exact + lossy, max_new + max_new
+def _roundtrip_copy(model: Model, pool, seq, into, roundtrip) -> None:
+    """Writes ``seq``'s KV pages, passed through ``roundtrip`` as ``[layers * 2 * pages,
+    page elements]`` rows (one scale per row for fp8), into the sequence ``into``."""
+    layout = pool.layout()
+    buf = pack(layout, torch.tensor(seq.pages, dtype=torch.int64))
+    rows = buf.view(model.dtype).view(model.config.num_layers * 2 * len(seq.pages), -1)
+    unpack(layout, torch.tensor(into.pages, dtype=torch.int64), roundtrip(rows).contiguous().view(-1).view(torch.uint8))
+
+
+def _decode_arms(model: Model, contexts: list[list[int]], max_new: list[int]) -> list[dict[str, list[int]]]:
+    """Greedy continuations of each context on its exact prefix KV (``"exact"``) and on that
+    KV passed through each of :data:`ROUNDTRIPS`; every request and arm in one decode batch.
+    The first token comes from the prefill's logits in every arm, as P samples it."""
+    arms = ["exact", *ROUNDTRIPS]
+    pages = sum(-(-(len(c) + n) // PAGE_SIZE) for c, n in zip(contexts, max_new))
+    pool = model.new_pool(len(arms) * pages, PAGE_SIZE)  # fresh (zeroed): no stale slots sway a page's scale
+    seqs = {"exact": [pool.new_sequence() for _ in contexts]}
+    first = _greedy(model.prefill(seqs["exact"], contexts))
+    for arm, roundtrip in ROUNDTRIPS.items():
+        seqs[arm] = [pool.allocate_sequence(len(c)) for c in contexts]
+        for exact, copy in zip(seqs["exact"], seqs[arm]):
+            _roundtrip_copy(model, pool, exact, copy, roundtrip)
+    keys = [(arm, i) for arm in arms for i in range(len(contexts))]
+    outputs = {key: [first[key[1]]] for key in keys}
     while True:
-        live = [i for i in range(len(seqs)) if len(outputs[i]) < limits[i]]
+        live = [key for key in keys if len(outputs[key]) < max_new[key[1]]]
         if not live:
             break
-        tokens = _greedy(model.decode([seqs[i] for i in live], [outputs[i][-1] for i in live]))
-        for i, t in zip(live, tokens):
-            outputs[i].append(t)
-    n = len(contexts)
-    return [(outputs[i], outputs[n + i]) for i in range(n)]
+        tokens = _greedy(model.decode([seqs[arm][i] for arm, i in live], [outputs[key][-1] for key in live]))
+        for key, token in zip(live, tokens):
+            outputs[key].append(token)
+    return [{arm: outputs[arm, i] for arm in arms} for i in range(len(contexts))]
 
 
-def greedy_agreement(quick: bool) -> GreedyAgreement:
-    """The demo trace's requests, turn by turn (a turn's context holds the previous exact answer)."""
+def greedy_agreement(quick: bool) -> list[GreedyAgreement]:
+    """The demo trace's requests, turn by turn (a turn's context holds the previous exact
+    answer), one :class:`GreedyAgreement` per arm of :data:`ROUNDTRIPS`."""
     scenario = agentic_trace()
     sessions = scenario.sessions[:2] if quick else scenario.sessions
     model = Model.default(seed=0)  # the demo's model: float64 on the CPU
     contexts = {s.sid: list(s.first_context) for s in sessions}
-    pairs: list[tuple[list[int], list[int]]] = []
+    runs: list[dict[str, list[int]]] = []
     for turn in range(max(len(s.outputs) for s in sessions)):
         active = [s for s in sessions if turn < len(s.outputs)]
-        results = _one_thread(lambda: _decode_pairs(model, [contexts[s.sid] for s in active],
-                                                    [s.outputs[turn] for s in active]))
-        for s, (exact, lossy) in zip(active, results):
-            pairs.append((exact, lossy))
+        results = _one_thread(lambda: _decode_arms(model, [contexts[s.sid] for s in active],
+                                                   [s.outputs[turn] for s in active]))
+        for s, tokens in zip(active, results):
+            runs.append(tokens)
             if turn + 1 < len(s.outputs):
-                contexts[s.sid] = contexts[s.sid] + exact + list(s.followups[turn])
-    result = GreedyAgreement(len(pairs), 0, 0, 0,
-                             note=f"{len(sessions)} of {len(scenario.sessions)} sessions of the demo trace")
-    for i, (exact, lossy) in enumerate(pairs):
-        agree = token_agreement(exact, lossy)
-        result.identical += agree.identical
-        result.tokens_compared += agree.compared
-        result.tokens_matched += agree.matched
-        if not agree.identical:
-            result.first_divergences.append((i, agree.first_divergence))
-    return result
+                contexts[s.sid] = contexts[s.sid] + tokens["exact"] + list(s.followups[turn])
+    note = f"{len(sessions)} of {len(scenario.sessions)} sessions of the demo trace"
+    results = []
+    for arm in ROUNDTRIPS:
+        result = GreedyAgreement(arm, len(runs), 0, 0, 0, note=note)
+        for i, tokens in enumerate(runs):
+            agree = token_agreement(tokens["exact"], tokens[arm])
+            result.identical += agree.identical
+            result.tokens_compared += agree.compared
+            result.tokens_matched += agree.matched
+            if not agree.identical:
+                result.first_divergences.append((i, agree.first_divergence))
+        results.append(result)
+    return results
 
 
 # ---- the case ---------------------------------------------------------------------------------------------
@@ -255,12 +279,12 @@ def greedy_agreement(quick: bool) -> GreedyAgreement:
 class CodecReport:
     points: list[CodecPoint]
     fp8: list[Fp8Error]
-    greedy: GreedyAgreement
+    greedy: list[GreedyAgreement]
     checkpoint: str  # "measured: <name>" or why it was skipped
 
     def as_dict(self) -> dict:
         return {"points": [p.as_dict() for p in self.points], "fp8_error": [e.as_dict() for e in self.fp8],
-                "greedy": self.greedy.as_dict(), "checkpoint": self.checkpoint}
+                "greedy": [g.as_dict() for g in self.greedy], "checkpoint": self.checkpoint}
 
 
 def run(quick: bool) -> CodecReport:
@@ -283,12 +307,12 @@ def format_report(r: CodecReport) -> str:
     for e in r.fp8:
         lines.append(f"{e.kv:<20} {e.max_abs:>11.4g}  {e.mean_abs:>12.4g}  {e.max_rel_amax:>12.4g}  "
                      f"{e.mean_rel_amax:>13.4g}")
-    g = r.greedy
-    lines.append(f"\ngreedy tokens on FP8-roundtripped prefix KV vs exact KV ({g.note}, float64 model): "
-                 f"{g.identical}/{g.requests} requests identical ({100 * g.identical_fraction:.0f} %), "
-                 f"{g.tokens_matched}/{g.tokens_compared} tokens agree")
-    if g.first_divergences:
-        lines.append("first divergence (request, output position): "
-                     + ", ".join(f"({i}, {pos})" for i, pos in g.first_divergences))
+    for g in r.greedy:
+        lines.append(f"\ngreedy tokens, prefix KV through {g.arm} vs exact ({g.note}, float64 model): "
+                     f"{g.identical}/{g.requests} requests identical ({100 * g.identical_fraction:.0f} %), "
+                     f"{g.tokens_matched}/{g.tokens_compared} tokens agree")
+        if g.first_divergences:
+            lines.append("  first divergence (request, output position): "
+                         + ", ".join(f"({i}, {pos})" for i, pos in g.first_divergences))
     lines.append(f"transformers checkpoint: {r.checkpoint}")
     return "\n".join(lines)

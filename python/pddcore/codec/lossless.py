@@ -4,9 +4,10 @@ A float's bytes are far from equally compressible: in bfloat16 KV the high byte 
 7 exponent bits) takes few distinct values, the low byte (mantissa) is close to noise.
 Kept interleaved, a compressor sees mostly noise; split into planes (byte ``b`` of every
 element, one plane per byte position), the exponent plane shrinks and the mantissa plane
-is stored as it is (``pddcore bench --cases codec`` shows both ways side by side). Every dtype is split into all of its byte planes (2 for float16 /
-bfloat16, 4 for float32, 8 for float64, 1 for bytes), in memory order (little-endian:
-the last plane holds the sign and exponent bits).
+is stored as it is (``pddcore bench --cases codec`` shows both ways side by side).
+Every dtype is split into all of its byte planes (2 for float16 / bfloat16, 4 for
+float32, 8 for float64, 1 for bytes), in memory order (little-endian: the last plane
+holds the sign and exponent bits).
 
 Each plane is cut into segments of at most ``SEGMENT_BYTES``; a segment is compressed or,
 when that would not make it smaller, stored. A plane whose sample does not shrink by
