@@ -463,3 +463,22 @@ def test_bench_measure_reports_the_frames_it_made():
         assert p.raw_bytes == kv.numel() * 2 and p.encode_gbps > 0 and p.decode_gbps > 0 and p.memcpy_gbps > 0
         if p.codec in codec_cases.CODECS:
             assert p.frame_bytes == len(codec.get(p.codec).encode(kv))
+
+
+def test_bench_checkpoint_kv_is_measured_when_a_folder_is_named(tmp_path, monkeypatch):
+    import transformers
+
+    from pddcore.benchmarks import codec_cases
+
+    monkeypatch.delenv(codec_cases.CHECKPOINT_ENV, raising=False)
+    assert codec_cases.checkpoint_kv(quick=True) == ({}, "skipped: no checkpoint (set PDDCORE_BENCH_CHECKPOINT "
+                                                         "to a Hugging Face Llama / Qwen2 folder)")
+    config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "tiny-llama")
+    monkeypatch.setenv(codec_cases.CHECKPOINT_ENV, str(tmp_path / "tiny-llama"))
+    kv, skipped = codec_cases.checkpoint_kv(quick=True)
+    assert skipped is None and list(kv) == ["tiny-llama bfloat16"]
+    rows = kv["tiny-llama bfloat16"]
+    context = codec_cases.documents(codec_cases.agentic_trace(), quick=True)[0]
+    assert rows.dtype == torch.bfloat16 and rows.shape == (2 * 2 * -(-len(context) // 16), 16 * 2 * 16)
