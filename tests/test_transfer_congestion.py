@@ -14,10 +14,10 @@ from pddcore.transfer import TransferEngine, available_congestion_controls
 pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read the sockets")
 
 
-@pytest.mark.parametrize("cc", [c for c in ("reno", "bbr", "cubic") if c in available_congestion_controls()])
-def test_data_connections_use_the_chosen_congestion_control(cc):
+def data_connection_algorithms(**sender_options) -> list[str]:
+    """The congestion control of each established connection to a receiver the sender wrote to."""
     with TransferEngine(auth_token=b"cc") as receiver, \
-            TransferEngine(auth_token=b"cc", streams=3, congestion_control=cc) as sender:
+            TransferEngine(auth_token=b"cc", streams=3, **sender_options) as sender:
         dst = torch.zeros(1 << 20, dtype=torch.uint8)
         region = receiver.register(dst, target=True)
         src = sender.register(torch.full((1 << 20,), 7, dtype=torch.uint8))
@@ -26,9 +26,24 @@ def test_data_connections_use_the_chosen_congestion_control(cc):
         port = receiver.address.rsplit(":", 1)[1]
         out = subprocess.run(["ss", "-tin", "state", "established", "dport", f"= :{port}"], capture_output=True,
                              text=True, check=True).stdout
-        algorithms = [line.split()[0] for line in out.splitlines() if line.startswith(("\t", " ")) and "rtt:" in line]
-        # One control connection (the system default) and three data connections with ``cc``.
-        assert algorithms.count(cc) >= 3, out
+        return [line.split()[0] for line in out.splitlines() if line.startswith(("\t", " ")) and "rtt:" in line]
+
+
+@pytest.mark.parametrize("cc", [c for c in ("reno", "bbr", "cubic") if c in available_congestion_controls()])
+def test_data_connections_use_the_chosen_congestion_control(cc):
+    # One control connection (the system default) and three data connections with ``cc``.
+    assert data_connection_algorithms(congestion_control=cc).count(cc) >= 3
+
+
+def test_the_default_is_bbr_where_the_kernel_offers_it():
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        system_default = f.read().strip()
+    offered = "bbr" in available_congestion_controls()
+    with TransferEngine() as engine:
+        assert engine.congestion_control == ("bbr" if offered else None)
+    with TransferEngine(congestion_control=None) as engine:
+        assert engine.congestion_control is None
+    assert data_connection_algorithms().count("bbr" if offered else system_default) >= 3
 
 
 def test_unknown_congestion_control_is_refused():

@@ -285,7 +285,10 @@ class TransferEngine:
             :meth:`poll_messages`; a peer sending more waits until there is room.
         congestion_control: the kernel's TCP congestion control for the data connections this
             engine dials (``"cubic"``, ``"bbr"``, ...; see :func:`available_congestion_controls`);
-            None: the system default. It governs how a lossy, long path is filled.
+            None: the system default. It governs how a lossy, long path is filled. The default,
+            ``"auto"``, takes ``"bbr"`` where the kernel offers it (else the system default):
+            on a long path with random loss BBR keeps the link full where loss-based cubic
+            backs off at every drop (``pddcore bench --cases loss`` measures both).
         idle_timeout_s: a data connection that carries nothing this long is closed here
             (``stats()["connections_idled"]``); a sender dials again when it has chunks.
         rate_limit_bps: pace all outgoing data below this many bits per second (None: no limit).
@@ -314,7 +317,7 @@ class TransferEngine:
                  ib_port: int = 1, gid_index: int | None = None, queue_delay_target_s: float | None = None,
                  insecure: bool = False, max_connections: int = 1024, max_connections_per_host: int = 256,
                  max_inbox_bytes: int = 64 << 20, tls: bool = False, idle_timeout_s: float = 300.0,
-                 congestion_control: str | None = None):
+                 congestion_control: str | None = "auto"):
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen must be 'host:port', got {listen!r}")
@@ -326,6 +329,8 @@ class TransferEngine:
             raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
                              "without one anybody who reaches the port can write into its target regions. Pass "
                              "auth_token=..., or insecure=True on a network you trust")
+        if congestion_control == "auto":
+            congestion_control = "bbr" if "bbr" in available_congestion_controls() else None
         if congestion_control is not None and congestion_control not in available_congestion_controls():
             raise ValueError(f"congestion_control {congestion_control!r} is not offered by this kernel; "
                              f"available: {', '.join(available_congestion_controls())}")
@@ -356,6 +361,9 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)
+        #: The TCP congestion control of the data connections this engine dials (None: the
+        #: system default), after ``"auto"`` was resolved.
+        self.congestion_control = congestion_control
 
     # -- lifecycle ---------------------------------------------------------------------
 
