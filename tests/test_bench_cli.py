@@ -11,7 +11,7 @@ import pytest
 
 from pddcore import bench_cli
 from pddcore import _C
-from pddcore.benchmarks import crc_cases, extend_cases, handoff_cases, radix_cases
+from pddcore.benchmarks import crc_cases, extend_cases, handoff_cases, loss_cases, radix_cases, stream_cases
 from pddcore.cli import main
 from pddcore.testing.wan import unavailable_reason
 
@@ -133,3 +133,33 @@ def test_handoff_case_few_trials(tmp_path):
     data = {"handoff": {"models": [r.as_dict()], "report": handoff_cases.REPORT}}
     assert bench_cli.write_plots(data, str(tmp_path)) == [str(tmp_path / "handoff.png")]
     _png(str(tmp_path / "handoff.png"))
+
+
+@pytest.mark.root
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"WAN emulator: {unavailable_reason()}")
+def test_loss_rows_at_ci_size():
+    results = loss_cases.loss_case(0.01, ("cubic", "bbr"), rate="200mbit", delay_ms=5, nbytes=4 << 20,
+                                   piece_sizes=(64 << 10, 1 << 20))
+    assert [(r.congestion_control, r.piece_bytes) for r in results] == [
+        ("cubic", 64 << 10), ("cubic", 1 << 20), ("bbr", 64 << 10), ("bbr", 1 << 20)]
+    for r in results:
+        # 4 MiB is ~2900 packets: at 1 % the delay line drops some in every row (p(none) ~ 1e-13).
+        assert r.packets_dropped > 0
+        # Every byte arrived (each chunk is CRC-checked and acknowledged) despite the drops, in finite time.
+        assert 0 < r.goodput_gbps and r.nbytes == 4 << 20
+        assert r.as_dict()["bdp_bytes"] == pytest.approx(200e6 / 8 * 0.010)
+    assert "64 KiB" in loss_cases.format_table(results) and "bbr" in loss_cases.format_table(results)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"WAN emulator: {unavailable_reason()}")
+def test_stream_case_few_trials():
+    r = stream_cases.stream_case("embedded", tokens=64, trials=2, rate="200mbit", delay_ms=5)
+    assert len(r.streamed_ms) == len(r.after_prefill_ms) == 1 and len(r.prefill_ms) == 2
+    # Posted after prefill, the KV needs at least the link's one-way delay after its end.
+    # (Streamed, the last layer leaves from inside prefill: its time may even be negative
+    # when the prefill's tail outlasts the delay, so only the after-prefill bound holds.)
+    assert min(r.after_prefill_ms) >= r.rtt_ms / 2
+    cfg = handoff_cases.MODELS["embedded"]
+    assert r.kv_bytes == 64 * 2 * cfg.num_layers * cfg.kv_size * 8
+    assert "streamed per layer" in stream_cases.format_table(r)

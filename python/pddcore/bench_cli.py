@@ -9,6 +9,12 @@ Cases (``--cases``, comma-separated; default all):
 - ``wan``: TransferEngine goodput through the WAN emulator against the line rate (a plain
   TCP stream beside it), priority-lane latency under bulk load against the idle link, and
   the delay line's packets/s per core against what 1 Gbit/s needs (root only).
+- ``loss``: goodput at 1 Gbit/s, 50 ms RTT with 0 / 0.01 / 0.1 / 1 % packet loss, cubic vs
+  bbr, 64 KiB and 1 MiB pieces, against the line rate, beside the bandwidth-delay product (root only).
+- ``wan10g``: goodput at 10 Gbit/s, 20 and 50 ms RTT, against the line rate and against one
+  plain TCP stream through the same link (what the emulator reaches here; root only).
+- ``stream``: the end of P's prefill to the KV applied at MD over the emulated WAN, streamed
+  per layer against posted after prefill (root only).
 - ``handoff``: the PDD report's 100-token handoff, KV against token ids + extend (root only).
 - ``extend``: one extend pass over N handed-off tokens against N decode steps, N = 1..512.
 - ``radix``: RadixCache match / insert ops/s against a hash-chain prefix cache.
@@ -33,9 +39,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .benchmarks import (codec_cases, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, radix_cases,
-                         rdma_cases, tls_cases, transfer_cases)
+                         rdma_cases, stream_cases, tls_cases, transfer_cases)
 
-CASES = ("pack", "transfer", "tls", "wan", "loss", "handoff", "extend", "radix", "codec")
+CASES = ("pack", "transfer", "tls", "wan", "loss", "wan10g", "stream", "handoff", "extend", "radix", "codec")
 
 
 @dataclass
@@ -174,13 +180,53 @@ def case_loss(quick: bool, backend: str) -> CaseOutput:
     _need_wan()
     if backend != "tcp":
         raise Skipped("the WAN path is tcp")
-    losses = (0.001,) if quick else loss_cases.LOSSES
+    losses = (0.001,) if quick else (0.0, *loss_cases.LOSSES)
+    pieces = (1 << 20,) if quick else (64 << 10, 1 << 20)
+    # Lossy rows move fewer bytes where cubic crawls; clean ones enough to leave slow start behind.
     results = [r for loss in losses
-               for r in _in_fresh_process(loss_cases.loss_case, loss, nbytes=(32 << 20) if quick or loss >= 0.01
-                                          else (128 << 20))]
-    rows = [Row("loss", f"{100 * r.loss:g} % loss, {r.congestion_control}, {r.rtt_ms:g} ms RTT", r.goodput_gbps,
-                "line rate", r.rate_bps / 1e9, "Gbit/s") for r in results]
+               for r in _in_fresh_process(loss_cases.loss_case, loss, piece_sizes=pieces,
+                                          nbytes=(32 << 20) if quick or loss >= 0.01 else (256 << 20))]
+    rows = [Row("loss", f"{100 * r.loss:g} % loss, {r.congestion_control}, {r.piece_bytes >> 10} KiB pieces, "
+                f"{r.rtt_ms:g} ms RTT", r.goodput_gbps, "line rate", r.rate_bps / 1e9, "Gbit/s") for r in results]
     return CaseOutput({"points": [r.as_dict() for r in results]}, loss_cases.format_table(results), rows)
+
+
+def case_wan10g(quick: bool, backend: str) -> CaseOutput:
+    _need_wan()
+    if backend != "tcp":
+        raise Skipped("the WAN path is tcp")
+    from .benchmarks import wan_cases
+
+    delays = (10,) if quick else (10, 25)
+    results, ceilings = [], []
+    for delay in delays:
+        results += _in_fresh_process(loss_cases.loss_case, 0.0, rate="10gbit", delay_ms=delay, streams=8,
+                                     chunk_bytes=4 << 20, nbytes=(1 << 30) if quick else (4 << 30))
+        ceilings.append(_in_fresh_process(wan_cases.bulk_tcp, "10gbit", delay, seconds=3.0 if quick else 6.0))
+    rows = []
+    for r in results:
+        ceiling = next(c for c in ceilings if c.rtt_ms == r.rtt_ms)
+        what = f"{r.congestion_control}, {r.streams} streams, {r.rtt_ms:g} ms RTT"
+        rows += [Row("wan10g", f"engine goodput, {what}", r.goodput_gbps, "line rate", r.rate_bps / 1e9, "Gbit/s"),
+                 Row("wan10g", f"engine goodput, {what}", r.goodput_gbps, "one plain TCP stream, same link",
+                     ceiling.steady_gbps, "Gbit/s")]
+    text = loss_cases.format_table(results) + "".join(
+        f"\none plain TCP stream through the same link, {c.rtt_ms:g} ms RTT: {c.steady_gbps:.3f} Gbit/s steady "
+        f"= {c.ratio:.3f}x line rate" for c in ceilings)
+    return CaseOutput({"points": [r.as_dict() for r in results], "plain_tcp": [c.as_dict() for c in ceilings]},
+                      text, rows)
+
+
+def case_stream(quick: bool, backend: str) -> CaseOutput:
+    _need_wan()
+    if backend != "tcp":
+        raise Skipped("the WAN path is tcp")
+    r = _in_fresh_process(stream_cases.stream_case, tokens=256 if quick else 1024, trials=4 if quick else 10,
+                          rate="200mbit" if quick else "1gbit")
+    d = r.as_dict()
+    rows = [Row("stream", f"KV applied at MD after prefill end, streamed per layer ({r.tokens} tokens)",
+                d["streamed_median_ms"], "posted after prefill", d["after_prefill_median_ms"], "ms")]
+    return CaseOutput(d, stream_cases.format_table(r), rows)
 
 
 def case_handoff(quick: bool, backend: str) -> CaseOutput:
@@ -266,7 +312,7 @@ def case_codec(quick: bool, backend: str) -> CaseOutput:
 
 RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {
     "pack": case_pack, "transfer": case_transfer, "tls": case_tls, "wan": case_wan, "loss": case_loss,
-    "handoff": case_handoff, "extend": case_extend, "radix": case_radix, "codec": case_codec,
+    "wan10g": case_wan10g, "stream": case_stream, "handoff": case_handoff, "extend": case_extend, "radix": case_radix, "codec": case_codec,
 }
 
 
