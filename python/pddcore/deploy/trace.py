@@ -5,8 +5,8 @@ Agentic sessions share a system prompt; each opens with a long document nobody h
 RLD starts it at once and MD, once the document's KV has crossed the WAN, takes it over
 by the token-id handoff. The session then goes on for several turns whose context is
 the previous context plus the previous answer plus a short new user message (high-hit:
-MD's radix cache holds the previous turn, answer included, so over 95 % of the context
-is cached there); these go to MD directly. Opening documents cycle through
+MD's radix cache holds the previous turn, answer included, so nearly all of the context
+is cached there; ``pddcore demo`` prints the hit rate it measured); these go to MD directly. Opening documents cycle through
 ``document_tokens``: the longer one takes long enough on the WAN that RLD's backlog
 exceeds the handoff's catch-up threshold. Between the agentic sessions come singular
 requests: one turn with a fresh document and an ultra-short answer (a classification,
