@@ -528,8 +528,11 @@ class TransferEngine:
             (achieved goodput while busy, the router's bandwidth estimate; 0 before any);
             ``rtt_s``: smoothed round-trip time of the priority lane, from pings once a second;
             ``connected``: 1.0 while the control connection is up.
+            tcp peers: ``live_streams``, the data connections open now; ``cwnd_bytes``, their
+            congestion windows summed (what the path lets the engine keep in flight);
+            ``tcp_retransmits``, segments they sent again (TCP_INFO).
             With ``queue_delay_target_s`` (tcp peers): ``paced_bps``, the pacer's current rate
-            (0 while unpaced); ``path_bottleneck_bps``, the path rate it learned;
+            (0 while unpaced); ``link_rate_bps``, the path rate it learned;
             ``queue_delay_s``, the data connections' smoothed RTT above the path's minimum.
         """
         out: dict = dict(self._core.totals())

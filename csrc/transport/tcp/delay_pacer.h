@@ -29,6 +29,8 @@ struct PathSample {
   double srtt_s = 0;         // smoothed round-trip time
   double min_rtt_s = 0;      // lowest round-trip time seen: the path without a queue
   uint64_t bytes_acked = 0;  // acknowledged so far on this connection (it may restart at 0)
+  uint64_t cwnd_bytes = 0;   // congestion window: segments x segment size
+  uint64_t retransmits = 0;  // segments sent again, over the connection's life
 };
 
 class DelayPacer {

@@ -13,7 +13,8 @@ std::optional<PathSample> read_path_sample(int fd) {
   socklen_t len = sizeof(info);
   if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return std::nullopt;
   if (len < offsetof(tcp_info, tcpi_min_rtt) + sizeof(info.tcpi_min_rtt)) return std::nullopt;
-  return PathSample{info.tcpi_rtt * 1e-6, info.tcpi_min_rtt * 1e-6, info.tcpi_bytes_acked};
+  return PathSample{info.tcpi_rtt * 1e-6, info.tcpi_min_rtt * 1e-6, info.tcpi_bytes_acked,
+                    static_cast<uint64_t>(info.tcpi_snd_cwnd) * info.tcpi_snd_mss, info.tcpi_total_retrans};
 }
 
 }  // namespace pddcore::transfer::tcp

@@ -1,4 +1,4 @@
-// What the kernel measured on a TCP connection, for the delay pacer.
+// What the kernel measured on a TCP connection, for the delay pacer and the engine's stats.
 #pragma once
 
 #include <optional>
@@ -7,7 +7,8 @@
 
 namespace pddcore::transfer::tcp {
 
-// Smoothed and minimum RTT and bytes acknowledged, from TCP_INFO; nullopt where the
+// Smoothed and minimum RTT, bytes acknowledged, the congestion window and retransmits,
+// from TCP_INFO; nullopt where the
 // kernel does not report them (before Linux 4.6) or the socket is gone.
 std::optional<PathSample> read_path_sample(int fd);
 

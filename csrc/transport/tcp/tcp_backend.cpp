@@ -533,7 +533,20 @@ void TcpBackend::debug_corrupt_chunks(uint32_t n) { corrupt_next_ = n; }
 
 void TcpBackend::add_peer_stats(uint64_t peer_key, std::map<std::string, double>& stats) {
   LinkPtr link = find_link(peer_key);
-  if (!link || !link->pacer) return;
+  if (!link) return;
+  {
+    // The window the kernel gave this peer's live data connections right now, and their
+    // retransmits: what the path let the engine keep in flight.
+    std::lock_guard<std::mutex> lock(link->mutex);  // keeps each live socket open
+    for (const auto& stream : link->streams)
+      if (stream->socket)
+        if (const std::optional<PathSample> sample = read_path_sample(stream->socket->fd())) {
+          stats["cwnd_bytes"] += static_cast<double>(sample->cwnd_bytes);
+          stats["tcp_retransmits"] += static_cast<double>(sample->retransmits);
+          stats["live_streams"] += 1;
+        }
+  }
+  if (!link->pacer) return;
   std::lock_guard<std::mutex> lock(link->pacer_mutex);
   stats["paced_bps"] = std::max(stats["paced_bps"], 8 * link->pacer->rate_Bps());
   stats["link_rate_bps"] = std::max(stats["link_rate_bps"], 8 * link->pacer->link_rate_Bps());

@@ -34,6 +34,8 @@ class LossResult:
     nbytes: int
     goodput_gbps: float
     packets_dropped: int  # by the delay line's loss draw, a -> b, during this row
+    cwnd_bytes: float       # the data connections' congestion windows summed, as the write ended
+    tcp_retransmits: float  # segments the data connections sent again
 
     @property
     def ratio(self) -> float:
@@ -48,8 +50,9 @@ class LossResult:
 
 
 def _source(info_path: str, nbytes: int, piece_bytes: int, streams: int, chunk_bytes: int,
-            congestion_control: str) -> float:
-    """Runs in namespace a: seconds for one transfer of ``nbytes`` as ``piece_bytes`` writes."""
+            congestion_control: str) -> tuple[float, dict]:
+    """Runs in namespace a: seconds for one transfer of ``nbytes`` as ``piece_bytes`` writes,
+    and the engine's stats of that peer as it ended."""
     import numpy as np
 
     from pddcore.transfer import TransferEngine
@@ -65,8 +68,9 @@ def _source(info_path: str, nbytes: int, piece_bytes: int, streams: int, chunk_b
         start = time.perf_counter()
         engine.write_batch(peer, writes).wait()
         seconds = time.perf_counter() - start
+        link = engine.stats()["peers"][peer.address]
         engine.send(peer, b"exit")
-    return seconds
+    return seconds, link
 
 
 def loss_case(loss: float, congestion_controls=("cubic", "bbr"), rate: str = "1gbit", delay_ms: float = 25.0,
@@ -81,17 +85,19 @@ def loss_case(loss: float, congestion_controls=("cubic", "bbr"), rate: str = "1g
             with tempfile.TemporaryDirectory() as tmp:
                 info = os.path.join(tmp, "sink")
                 sink = link.b.spawn(engine_sink, f"{link.b.address}:{9400 + i}", nbytes, info)
-                seconds = link.a.call(_source, info, nbytes, piece, streams, chunk_bytes, cc, timeout=900)
+                seconds, peer = link.a.call(_source, info, nbytes, piece, streams, chunk_bytes, cc, timeout=900)
                 sink.result(60)
             results.append(LossResult(link.rate_bps, 2 * delay_ms, loss, cc, streams, piece, nbytes,
-                                      nbytes * 8 / seconds / 1e9, link.stats().a_to_b.dropped_loss - dropped_before))
+                                      nbytes * 8 / seconds / 1e9, link.stats().a_to_b.dropped_loss - dropped_before,
+                                      peer["cwnd_bytes"], peer["tcp_retransmits"]))
     return results
 
 
 def format_table(results: list[LossResult]) -> str:
-    lines = ["rate       RTT    loss     cc     streams  piece     goodput       x line   BDP"]
+    lines = ["rate       RTT    loss     cc     streams  piece     goodput       x line   BDP        "
+             "cwnd at end  retransmits"]
     for r in results:
         lines.append(f"{r.rate_bps / 1e9:>4.1f} Gb/s {r.rtt_ms:>4.0f} ms {100 * r.loss:>6.3f} % {r.congestion_control:<6} "
                      f"{r.streams:>7}  {r.piece_bytes >> 10:>5} KiB {r.goodput_gbps:>7.3f} Gb/s  {r.ratio:>6.3f}  "
-                     f"{r.bdp_bytes / 2**20:.1f} MiB")
+                     f"{r.bdp_bytes / 2**20:>5.1f} MiB  {r.cwnd_bytes / 2**20:>7.1f} MiB  {r.tcp_retransmits:>11.0f}")
     return "\n".join(lines)
