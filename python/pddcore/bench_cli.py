@@ -10,7 +10,10 @@ Cases (``--cases``, comma-separated; default all):
   TCP stream beside it), priority-lane latency under bulk load against the idle link, and
   the delay line's packets/s per core against what 1 Gbit/s needs (root only).
 - ``loss``: goodput at 1 Gbit/s, 50 ms RTT with 0 / 0.01 / 0.1 / 1 % packet loss, cubic vs
-  bbr, 64 KiB and 1 MiB pieces, against the line rate, beside the bandwidth-delay product (root only).
+  bbr, 64 KiB and 1 MiB pieces, against the line rate, beside the bandwidth-delay product;
+  every row with per-packet forwarding, so the 0 % row is the same path without loss (root only).
+- ``peers``: pddcore / peer / line rate on the same emulated WAN and piece sizes, for each
+  installed peer engine (Mooncake, NIXL: ``pip install 'pddcore[peers]'``) (root only).
 - ``wan10g``: goodput at 10 Gbit/s, 20 and 50 ms RTT, against the line rate and against one
   plain TCP stream through the same link (what the emulator reaches here; root only).
 - ``stream``: the end of P's prefill to the KV applied at MD over the emulated WAN, streamed
@@ -38,10 +41,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from .benchmarks import (codec_cases, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, radix_cases,
-                         rdma_cases, stream_cases, tls_cases, transfer_cases)
+from .benchmarks import (codec_cases, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, peer_cases,
+                         radix_cases, rdma_cases, stream_cases, tls_cases, transfer_cases)
 
-CASES = ("pack", "transfer", "tls", "wan", "loss", "wan10g", "stream", "handoff", "extend", "radix", "codec")
+CASES = ("pack", "transfer", "tls", "wan", "loss", "peers", "wan10g", "stream", "handoff", "extend", "radix", "codec")
 
 
 @dataclass
@@ -184,11 +187,22 @@ def case_loss(quick: bool, backend: str) -> CaseOutput:
     pieces = (1 << 20,) if quick else (64 << 10, 1 << 20)
     # Lossy rows move fewer bytes where cubic crawls; clean ones enough to leave slow start behind.
     results = [r for loss in losses
-               for r in _in_fresh_process(loss_cases.loss_case, loss, piece_sizes=pieces,
+               for r in _in_fresh_process(loss_cases.loss_case, loss, piece_sizes=pieces, offload=False,
                                           nbytes=(32 << 20) if quick or loss >= 0.01 else (256 << 20))]
     rows = [Row("loss", f"{100 * r.loss:g} % loss, {r.congestion_control}, {r.piece_bytes >> 10} KiB pieces, "
                 f"{r.rtt_ms:g} ms RTT", r.goodput_gbps, "line rate", r.rate_bps / 1e9, "Gbit/s") for r in results]
     return CaseOutput({"points": [r.as_dict() for r in results]}, loss_cases.format_table(results), rows)
+
+
+def case_peers(quick: bool, backend: str) -> CaseOutput:
+    _need_wan()
+    if backend != "tcp":
+        raise Skipped("the WAN path is tcp")
+    report = _in_fresh_process(peer_cases.peers_case, peer_cases.QUICK_POINTS if quick else peer_cases.FULL_POINTS,
+                               nbytes=(32 << 20) if quick else (128 << 20))
+    rows = [Row("peers", f"pddcore, {what}", ours, peer, theirs, "Gbit/s")
+            for what, ours, peer, theirs in peer_cases.summary(report)]
+    return CaseOutput(report.as_dict(), peer_cases.format_table(report), rows)
 
 
 def case_wan10g(quick: bool, backend: str) -> CaseOutput:
@@ -312,7 +326,7 @@ def case_codec(quick: bool, backend: str) -> CaseOutput:
 
 RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {
     "pack": case_pack, "transfer": case_transfer, "tls": case_tls, "wan": case_wan, "loss": case_loss,
-    "wan10g": case_wan10g, "stream": case_stream, "handoff": case_handoff, "extend": case_extend, "radix": case_radix, "codec": case_codec,
+    "peers": case_peers, "wan10g": case_wan10g, "stream": case_stream, "handoff": case_handoff, "extend": case_extend, "radix": case_radix, "codec": case_codec,
 }
 
 

@@ -75,11 +75,14 @@ def _source(info_path: str, nbytes: int, piece_bytes: int, streams: int, chunk_b
 
 def loss_case(loss: float, congestion_controls=("cubic", "bbr"), rate: str = "1gbit", delay_ms: float = 25.0,
               nbytes: int = 128 << 20, streams: int = 4, chunk_bytes: int = 1 << 20,
-              piece_sizes: tuple[int, ...] = (1 << 20,)) -> list[LossResult]:
+              piece_sizes: tuple[int, ...] = (1 << 20,), offload: bool | None = None) -> list[LossResult]:
+    """``offload``: as WanLink takes it (default: on without loss). Rows meant to be set
+    beside lossy ones pass False, so that every packet crosses the delay line on its own
+    as it must with loss, and only the loss differs."""
     from ..testing.wan import WanLink
 
     results = []
-    with WanLink(rate=rate, delay_ms=delay_ms, loss=loss, seed=1) as link:
+    with WanLink(rate=rate, delay_ms=delay_ms, loss=loss, seed=1, offload=offload) as link:
         for i, (cc, piece) in enumerate((cc, piece) for cc in congestion_controls for piece in piece_sizes):
             dropped_before = link.stats().a_to_b.dropped_loss
             with tempfile.TemporaryDirectory() as tmp:
