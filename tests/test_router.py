@@ -1,5 +1,6 @@
-"""Router decisions per regime and as properties; BandwidthEstimator arithmetic and
-its tolerance of TransferEngine.stats() shapes."""
+"""Router decisions per regime and as properties, and priced at the compressed size;
+BandwidthEstimator and CompressionEstimator arithmetic; the former's tolerance of
+TransferEngine.stats() shapes."""
 
 import math
 
@@ -8,7 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pddcore import KVLayout
-from pddcore.router import BandwidthEstimator, Pipeline, Route, RouteRequest, Router, RouterConfig
+from pddcore.router import (BandwidthEstimator, CompressionEstimator, Pipeline, Route, RouteRequest, Router,
+                            RouterConfig)
 
 BPT = 46_000  # ~4.6 MB per 100 tokens, the PDD report's model
 ROUTER = Router(RouterConfig(kv_bytes_per_token=BPT))
@@ -125,6 +127,89 @@ def test_bad_configs_are_rejected(kw, message):
         Router({"kv_bytes_per_token": 1})
 
 
+# ---- compressed KV on the WAN ---------------------------------------------------------------------
+
+def test_without_a_codec_the_wire_carries_the_raw_kv():
+    assert RouterConfig(kv_bytes_per_token=BPT).kv_compression_ratio == 1.0
+    r = ROUTER.route(req(md_cached_tokens=62000))
+    assert r.wire_bytes_to_md == r.bytes_to_md == 3536 * BPT and "compression" not in r.reason
+
+
+def test_a_2x_ratio_halves_the_priced_transfer_time():
+    tokens = 65536 - 62000
+    wire = tokens * BPT / 2  # BPT is even: no rounding
+    halved = Router(RouterConfig(kv_bytes_per_token=BPT, kv_compression_ratio=2.0))
+    for route in (halved.route(req(md_cached_tokens=62000)),
+                  ROUTER.route(req(md_cached_tokens=62000, kv_compression_ratio=2.0))):
+        assert route.bytes_to_md == tokens * BPT and route.wire_bytes_to_md == wire
+        assert route.expected_md_ready_s == pytest.approx(1.0 + 0.03 + wire / GBIT10)
+        assert "on the WAN at compression ratio 2" in route.reason
+    raw_transfer_s = ROUTER.route(req(md_cached_tokens=62000)).expected_md_ready_s - 1.03
+    assert halved.route(req(md_cached_tokens=62000)).expected_md_ready_s - 1.03 == pytest.approx(raw_transfer_s / 2)
+
+
+def test_the_compressed_size_flips_a_decision():
+    # The whole 65536-token prompt: 3.01 GB raw, 1.03 + 2.41 s = 3.44 s past the 3 s SLO;
+    # at ratio 2 the WAN carries 1.51 GB: 1.03 + 1.21 s = 2.24 s, within it.
+    assert ROUTER.route(req(expected_output_tokens=2000)).pipeline is Pipeline.P_RLD_MD
+    r = ROUTER.route(req(expected_output_tokens=2000, kv_compression_ratio=2.0))
+    assert r.pipeline is Pipeline.P_MD and r.expected_md_ready_s == pytest.approx(1.03 + 65536 * BPT / 2 / GBIT10)
+    # The request's observed ratio overrides the config's expected one.
+    expects_2x = Router(RouterConfig(kv_bytes_per_token=BPT, kv_compression_ratio=2.0))
+    assert expects_2x.route(req(expected_output_tokens=2000, kv_compression_ratio=1.0)).pipeline is Pipeline.P_RLD_MD
+
+
+@pytest.mark.parametrize("ratio", [0, 0.0, -2.0, float("nan"), float("inf"), True, "2", None])
+def test_bad_compression_ratios_are_rejected(ratio):
+    with pytest.raises(ValueError, match="kv_compression_ratio must be a finite number > 0"):
+        RouterConfig(kv_bytes_per_token=BPT, kv_compression_ratio=ratio)
+    if ratio is not None:  # None: the request takes the config's ratio
+        with pytest.raises(ValueError, match="kv_compression_ratio must be a finite number > 0"):
+            req(kv_compression_ratio=ratio)
+        with pytest.raises(ValueError, match="prior_ratio"):
+            CompressionEstimator(prior_ratio=ratio)
+
+
+def test_compression_estimator_is_a_byte_weighted_ewma():
+    est = CompressionEstimator(prior_ratio=1.5)
+    assert est.ratio == 1.5 and est.samples == 0
+    est.observe(raw_bytes=300, wire_bytes=100)  # the first send replaces the prior
+    assert est.ratio == pytest.approx(3.0)
+    est.observe(raw_bytes=1000, wire_bytes=1000)  # incompressible and larger: it weighs more
+    raw, wire = 300 + 0.25 * (1000 - 300), 100 + 0.25 * (1000 - 100)
+    assert est.ratio == pytest.approx(raw / wire) and est.samples == 2
+    assert est.ratio < (3.0 + 0.25 * (1.0 - 3.0))  # below the EWMA of the per-send ratios
+    est.observe(raw_bytes=100, wire_bytes=120)  # a frame larger than its raw bytes: ratio below 1
+    assert est.ratio == pytest.approx((raw + 0.25 * (100 - raw)) / (wire + 0.25 * (120 - wire)))
+    for bad in (dict(raw_bytes=0, wire_bytes=5), dict(raw_bytes=5, wire_bytes=0), dict(raw_bytes=-1, wire_bytes=5),
+                dict(raw_bytes=5, wire_bytes=2.5)):
+        with pytest.raises(ValueError, match="raw_bytes|wire_bytes"):
+            est.observe(**bad)
+    with pytest.raises(ValueError, match="alpha"):
+        CompressionEstimator(alpha=0)
+
+
+def test_compression_estimator_learns_from_a_real_codec_send():
+    """A zstd send between loopback engines: the ratio learned is the KV's bytes over the
+    frame the receiver got, and the router prices that frame's share of the bytes."""
+    from pddcore import TransferEngine, codec
+
+    kv = torch.randn(64, 16, 2, 64).to(torch.bfloat16)
+    with TransferEngine(auth_token=b"t") as md, TransferEngine(auth_token=b"t") as p:
+        inbox, outbox = codec.Staging(md, 1 << 20, target=True), codec.Staging(p, 1 << 20)
+        send = codec.send_compressed(p, p.connect(md.address), kv, "zstd", inbox.descriptor(), key=b"r",
+                                     staging=outbox)
+        send.wait(timeout=60)
+        [note] = md.poll_messages(timeout=5)
+        frame_len = codec.FrameNotice.parse(note.payload).length
+    est = CompressionEstimator()
+    est.observe(raw_bytes=kv.nbytes, wire_bytes=send.nbytes)
+    assert send.nbytes == frame_len < kv.nbytes  # bfloat16's exponent plane compresses
+    assert est.ratio == pytest.approx(kv.nbytes / frame_len) and est.ratio > 1
+    route = ROUTER.route(req(md_cached_tokens=62000, kv_compression_ratio=est.ratio))
+    assert route.wire_bytes_to_md == math.ceil(3536 * BPT / est.ratio)
+
+
 # ---- properties ----------------------------------------------------------------------------------
 
 request_st = st.builds(
@@ -146,7 +231,7 @@ def test_route_is_consistent_with_its_model(r):
         assert route.bytes_to_md == 0 and r.expected_output_tokens is not None and r.rld_load < 1.0
         assert md_ready > 3.0
     else:
-        assert route.bytes_to_md == math.ceil((r.prompt_tokens - r.md_cached_tokens) * BPT)
+        assert route.bytes_to_md == route.wire_bytes_to_md == math.ceil((r.prompt_tokens - r.md_cached_tokens) * BPT)
         assert route.expected_md_ready_s == pytest.approx(md_ready)
         assert (route.pipeline is Pipeline.P_MD) == (md_ready <= 3.0 or r.rld_load >= 1.0)
 

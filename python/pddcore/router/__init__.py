@@ -1,6 +1,8 @@
 """Per-request pipeline choice for PDD (:mod:`.routing`: :class:`Router` picks ``P_MD``,
-``P_RLD_MD`` or ``RLD_ONLY``), and the WAN bandwidth estimate it prices with
-(:mod:`.bandwidth`: :class:`BandwidthEstimator`).
+``P_RLD_MD`` or ``RLD_ONLY``), and what it prices WAN transfers with: the bandwidth
+estimate (:mod:`.bandwidth`: :class:`BandwidthEstimator`) and, when P sends the KV
+through a codec, the compression ratio its sends showed (:mod:`.compression`:
+:class:`CompressionEstimator`).
 
 Example::
 
@@ -15,6 +17,8 @@ Example::
 """
 
 from .bandwidth import BandwidthEstimator, LinkEstimate
+from .compression import CompressionEstimator
 from .routing import Pipeline, Route, RouteRequest, Router, RouterConfig
 
-__all__ = ["Pipeline", "RouterConfig", "RouteRequest", "Route", "Router", "LinkEstimate", "BandwidthEstimator"]
+__all__ = ["Pipeline", "RouterConfig", "RouteRequest", "Route", "Router", "LinkEstimate", "BandwidthEstimator",
+           "CompressionEstimator"]

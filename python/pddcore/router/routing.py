@@ -13,12 +13,17 @@
 
 The model behind it, in seconds from the request's arrival at P::
 
-    md_ready = prefill + rtt + bytes_to_md / wan_bytes_per_s
+    wire_bytes = bytes_to_md / kv_compression_ratio
+    md_ready = prefill + rtt + wire_bytes / wan_bytes_per_s
     rld_done = prefill + output_tokens * rld_tpot
 
-``rtt`` covers MD's page-allocation reply and the last chunk's flight. Everything is
-pure arithmetic on the inputs (no clock, no I/O), so the simulator and the real
-deployment decide identically. Example::
+``rtt`` covers MD's page-allocation reply and the last chunk's flight. When P sends the
+KV through a :mod:`pddcore.codec` codec, the WAN carries its frames, not the raw KV:
+``kv_compression_ratio`` (raw bytes / wire bytes; 1.0 without a codec) turns one into
+the other, fixed in :class:`RouterConfig` or learned per request by a
+:class:`~pddcore.router.CompressionEstimator`. Everything is pure arithmetic on the
+inputs (no clock, no I/O), so the simulator and the real deployment decide
+identically. Example::
 
     router = Router(RouterConfig(kv_bytes_per_token=layout))   # or a plain number
     link = estimator.estimate("md-0")
@@ -26,6 +31,11 @@ deployment decide identically. Example::
                                       wan_bytes_per_s=link.bytes_per_s, wan_rtt_s=link.rtt_s,
                                       expected_output_tokens=300, prefill_s=1.2))
     route.pipeline, route.bytes_to_md, route.reason
+
+    # P sends through the zstd codec; the ratio its completed sends showed so far:
+    ratios = CompressionEstimator()
+    ratios.observe(raw_bytes=kv.nbytes, wire_bytes=transfer.nbytes)   # after each send_compressed
+    router.route(RouteRequest(..., kv_compression_ratio=ratios.ratio))
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._checks import check_nonneg
+from ._checks import check_nonneg, check_positive
 
 __all__ = ["Pipeline", "RouterConfig", "RouteRequest", "Route", "Router"]
 
@@ -76,6 +86,12 @@ class RouterConfig:
       slot, so every request goes ``P_MD`` (slow beats queued).
     * ``prefill_tokens_per_s`` (default None): P's prefill speed, to estimate the prefill
       time of requests that do not state ``prefill_s``; None treats prefill as 0.
+    * ``kv_compression_ratio`` (default 1.0: no codec): raw KV bytes per byte that crosses
+      the WAN, when P sends the KV through a :mod:`pddcore.codec` codec. The transfer is
+      priced at ``bytes_to_md / kv_compression_ratio`` bytes. Take it from the ratio
+      column of ``pddcore bench --cases codec`` for your model's KV dtype, or leave it at
+      1.0 and pass each request the ratio a :class:`~pddcore.router.CompressionEstimator`
+      learned from the sends so far (``RouteRequest.kv_compression_ratio``).
     """
 
     kv_bytes_per_token: Any
@@ -85,9 +101,12 @@ class RouterConfig:
     wan_value_ratio: float = 1.0
     rld_full_load: float = 1.0
     prefill_tokens_per_s: float | None = None
+    kv_compression_ratio: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "kv_bytes_per_token", _kv_bytes_per_token(self.kv_bytes_per_token))
+        object.__setattr__(self, "kv_compression_ratio",
+                           check_positive("kv_compression_ratio", self.kv_compression_ratio))
         for name in ("ttft_slo_s", "wan_value_ratio"):
             check_nonneg(name, getattr(self, name))
         check_nonneg("min_md_tokens", self.min_md_tokens, integer=True)
@@ -111,7 +130,8 @@ class RouteRequest:
     length is used when known, else the maximum; with neither, the singular filter is off.
     ``wan_bytes_per_s`` / ``wan_rtt_s``: the P->MD link now (:class:`BandwidthEstimator`).
     ``rld_load``: RLD busy fraction. ``prefill_s``: expected prefill time, if known.
-    ``ttft_slo_s`` and ``kv_bytes_per_token`` override the config for this request.
+    ``ttft_slo_s``, ``kv_bytes_per_token`` and ``kv_compression_ratio`` override the
+    config for this request (the last: e.g. ``CompressionEstimator.ratio``).
     """
 
     prompt_tokens: int
@@ -125,6 +145,7 @@ class RouteRequest:
     prefill_s: float | None = None
     ttft_slo_s: float | None = None
     kv_bytes_per_token: float | None = None
+    kv_compression_ratio: float | None = None
 
     def __post_init__(self):
         for name in ("prompt_tokens", "p_cached_tokens", "md_cached_tokens"):
@@ -143,19 +164,25 @@ class RouteRequest:
                 raise ValueError(f"{name}={getattr(self, name)} exceeds prompt_tokens={self.prompt_tokens}")
         if self.kv_bytes_per_token is not None:
             object.__setattr__(self, "kv_bytes_per_token", _kv_bytes_per_token(self.kv_bytes_per_token))
+        if self.kv_compression_ratio is not None:
+            object.__setattr__(self, "kv_compression_ratio",
+                               check_positive("kv_compression_ratio", self.kv_compression_ratio))
 
 
 @dataclass(frozen=True)
 class Route:
-    """The decision. ``bytes_to_md``: KV bytes P sends MD (0 for ``RLD_ONLY``).
-    ``expected_md_ready_s``: when MD would hold the prompt's KV, from arrival at P
-    (``inf`` for ``RLD_ONLY``). ``reason``: the decision in words, with its numbers."""
+    """The decision. ``bytes_to_md``: KV bytes P sends MD (0 for ``RLD_ONLY``);
+    ``wire_bytes_to_md``: what of them crosses the WAN after the codec, the bytes the
+    transfer was priced at (``bytes_to_md`` without one). ``expected_md_ready_s``: when MD
+    would hold the prompt's KV, from arrival at P (``inf`` for ``RLD_ONLY``). ``reason``:
+    the decision in words, with its numbers."""
 
     pipeline: Pipeline
     bytes_to_md: int
     expected_md_ready_s: float
     reason: str
     tokens_to_md: int = 0
+    wire_bytes_to_md: int = 0
 
 
 class Router:
@@ -172,20 +199,24 @@ class Router:
         bpt = req.kv_bytes_per_token or cfg.kv_bytes_per_token
         slo = cfg.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tokens_to_md = req.prompt_tokens - req.md_cached_tokens
+        ratio = req.kv_compression_ratio or cfg.kv_compression_ratio
         bytes_to_md = math.ceil(tokens_to_md * bpt)
+        wire_bytes = math.ceil(bytes_to_md / ratio)
         prefill_s = self._prefill_s(req)
-        transfer_s = bytes_to_md / req.wan_bytes_per_s
+        transfer_s = wire_bytes / req.wan_bytes_per_s
         md_ready = prefill_s + req.wan_rtt_s + transfer_s
-        sends = f"MD lacks {tokens_to_md} of {req.prompt_tokens} tokens ({bytes_to_md / 1e6:.1f} MB)"
+        sends = f"MD lacks {tokens_to_md} of {req.prompt_tokens} tokens ({bytes_to_md / 1e6:.1f} MB"
+        sends += ")" if ratio == 1 else f", {wire_bytes / 1e6:.1f} MB on the WAN at compression ratio {ratio:.3g})"
 
         if md_ready <= slo:
             return Route(Pipeline.P_MD, bytes_to_md, md_ready,
-                         f"{sends}; ready at {md_ready:.2f}s within the TTFT SLO {slo:.2f}s", tokens_to_md)
+                         f"{sends}; ready at {md_ready:.2f}s within the TTFT SLO {slo:.2f}s", tokens_to_md,
+                         wire_bytes)
         late = f"{sends}; ready at {md_ready:.2f}s, past the TTFT SLO {slo:.2f}s"
         if req.rld_load >= cfg.rld_full_load:
             return Route(Pipeline.P_MD, bytes_to_md, md_ready,
                          f"{late}, but RLD is full (load {req.rld_load:.2f} >= {cfg.rld_full_load:.2f})",
-                         tokens_to_md)
+                         tokens_to_md, wire_bytes)
 
         output = req.expected_output_tokens if req.expected_output_tokens is not None else req.max_output_tokens
         if output is not None:
@@ -206,7 +237,7 @@ class Router:
                              f"{late}; the transfer holds the WAN {transfer_s:.2f}s to save RLD {saved_s:.2f}s "
                              f"(wan_value_ratio {cfg.wan_value_ratio:g})", 0)
         return Route(Pipeline.P_RLD_MD, bytes_to_md, md_ready,
-                     f"{late}; RLD decodes first, MD takes over after the handoff", tokens_to_md)
+                     f"{late}; RLD decodes first, MD takes over after the handoff", tokens_to_md, wire_bytes)
 
     def _prefill_s(self, req: RouteRequest) -> float:
         if req.prefill_s is not None:
