@@ -22,7 +22,9 @@ Cases (``--cases``, comma-separated; default all):
 - ``extend``: one extend pass over N handed-off tokens against N decode steps, N = 1..512.
 - ``radix``: RadixCache match / insert ops/s against a hash-chain prefix cache.
 - ``codec``: KV codecs on real KV: ratio, encode / decode GB/s on one core against memcpy,
-  FP8 error and greedy-token agreement on FP8 KV.
+  FP8 error and greedy-token agreement on FP8 KV; as root, each codec end to end (encode,
+  wire, decode into MD's pool) on the emulated WAN at 200 Mbit/s and 1 Gbit/s, 50 ms RTT,
+  against ``none``.
 
 Example::
 
@@ -187,7 +189,7 @@ def case_loss(quick: bool, backend: str) -> CaseOutput:
     pieces = (1 << 20,) if quick else (64 << 10, 1 << 20)
     # Lossy rows move fewer bytes where cubic crawls; clean ones enough to leave slow start behind.
     results = [r for loss in losses
-               for r in _in_fresh_process(loss_cases.loss_case, loss, piece_sizes=pieces, offload=False,
+               for r in _in_fresh_process(loss_cases.loss_case, loss, piece_sizes=pieces, offload=False, mtu=9000,
                                           nbytes=(32 << 20) if quick or loss >= 0.01 else (256 << 20))]
     rows = [Row("loss", f"{100 * r.loss:g} % loss, {r.congestion_control}, {r.piece_bytes >> 10} KiB pieces, "
                 f"{r.rtt_ms:g} ms RTT", r.goodput_gbps, "line rate", r.rate_bps / 1e9, "Gbit/s") for r in results]
@@ -214,9 +216,10 @@ def case_wan10g(quick: bool, backend: str) -> CaseOutput:
     delays = (10,) if quick else (10, 25)
     results, ceilings = [], []
     for delay in delays:
-        results += _in_fresh_process(loss_cases.loss_case, 0.0, rate="10gbit", delay_ms=delay, streams=8,
+        results += _in_fresh_process(loss_cases.loss_case, 0.0, rate="10gbit", delay_ms=delay, streams=8, mtu=9000,
                                      chunk_bytes=4 << 20, nbytes=(1 << 30) if quick else (4 << 30))
-        ceilings.append(_in_fresh_process(wan_cases.bulk_tcp, "10gbit", delay, seconds=3.0 if quick else 6.0))
+        ceilings.append(_in_fresh_process(wan_cases.bulk_tcp, "10gbit", delay, seconds=3.0 if quick else 6.0,
+                                          mtu=9000))
     rows = []
     for r in results:
         ceiling = next(c for c in ceilings if c.rtt_ms == r.rtt_ms)
@@ -321,7 +324,24 @@ def case_codec(quick: bool, backend: str) -> CaseOutput:
              for e in report.fp8]
     rows += [Row("codec", f"{g.arm} KV: identical greedy requests", g.identical, "requests", g.requests, "")
              for g in report.greedy]
-    return CaseOutput(report.as_dict(), codec_cases.format_report(report), rows)
+    data, text = report.as_dict(), codec_cases.format_report(report)
+    from .testing.wan import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None:
+        rates = codec_cases.WAN_RATES[:1] if quick else codec_cases.WAN_RATES
+        wans = [_in_fresh_process(codec_cases.wan_case, rate, trials=3 if quick else 10) for rate in rates]
+        data["wan"] = [w.as_dict() for w in wans]
+        text += "".join("\n\n" + codec_cases.format_wan(w) for w in wans)
+        for w in wans:
+            for p in w.points:
+                what = f"{p.codec}, {p.tokens}-token {p.payload}, {w.rate_bps / 1e6:g}Mbit/s {w.rtt_ms:g}ms"
+                baseline = ("line-rate floor", w.line_rate_ms(p)) if p.codec == "none" else \
+                    ("none", w.baseline(p).median_ms)
+                rows.append(Row("codec", what, p.median_ms, *baseline, "ms"))
+    else:
+        text += f"\n(WAN rows skipped: {reason})"
+    return CaseOutput(data, text, rows)
 
 
 RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {

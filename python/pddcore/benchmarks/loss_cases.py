@@ -28,6 +28,7 @@ class LossResult:
     rate_bps: float
     rtt_ms: float
     loss: float
+    mtu: int
     congestion_control: str
     streams: int
     piece_bytes: int
@@ -75,14 +76,17 @@ def _source(info_path: str, nbytes: int, piece_bytes: int, streams: int, chunk_b
 
 def loss_case(loss: float, congestion_controls=("cubic", "bbr"), rate: str = "1gbit", delay_ms: float = 25.0,
               nbytes: int = 128 << 20, streams: int = 4, chunk_bytes: int = 1 << 20,
-              piece_sizes: tuple[int, ...] = (1 << 20,), offload: bool | None = None) -> list[LossResult]:
+              piece_sizes: tuple[int, ...] = (1 << 20,), offload: bool | None = None,
+              mtu: int = 1500) -> list[LossResult]:
     """``offload``: as WanLink takes it (default: on without loss). Rows meant to be set
     beside lossy ones pass False, so that every packet crosses the delay line on its own
-    as it must with loss, and only the loss differs."""
+    as it must with loss, and only the loss differs. ``mtu``: the link's (9000: jumbo
+    frames, as inter-DC links carry; the delay line's cost is per packet, so this is how a
+    lossy path of 1 Gbit/s and more stays within what its core forwards)."""
     from ..testing.wan import WanLink
 
     results = []
-    with WanLink(rate=rate, delay_ms=delay_ms, loss=loss, seed=1, offload=offload) as link:
+    with WanLink(rate=rate, delay_ms=delay_ms, loss=loss, seed=1, offload=offload, mtu=mtu) as link:
         for i, (cc, piece) in enumerate((cc, piece) for cc in congestion_controls for piece in piece_sizes):
             dropped_before = link.stats().a_to_b.dropped_loss
             with tempfile.TemporaryDirectory() as tmp:
@@ -90,17 +94,18 @@ def loss_case(loss: float, congestion_controls=("cubic", "bbr"), rate: str = "1g
                 sink = link.b.spawn(engine_sink, f"{link.b.address}:{9400 + i}", nbytes, info)
                 seconds, peer = link.a.call(_source, info, nbytes, piece, streams, chunk_bytes, cc, timeout=900)
                 sink.result(60)
-            results.append(LossResult(link.rate_bps, 2 * delay_ms, loss, cc, streams, piece, nbytes,
+            results.append(LossResult(link.rate_bps, 2 * delay_ms, loss, mtu, cc, streams, piece, nbytes,
                                       nbytes * 8 / seconds / 1e9, link.stats().a_to_b.dropped_loss - dropped_before,
                                       peer["cwnd_bytes"], peer["tcp_retransmits"]))
     return results
 
 
 def format_table(results: list[LossResult]) -> str:
-    lines = ["rate       RTT    loss     cc     streams  piece     goodput       x line   BDP        "
+    lines = ["rate       RTT    loss     MTU   cc     streams  piece     goodput       x line   BDP        "
              "cwnd at end  retransmits"]
     for r in results:
-        lines.append(f"{r.rate_bps / 1e9:>4.1f} Gb/s {r.rtt_ms:>4.0f} ms {100 * r.loss:>6.3f} % {r.congestion_control:<6} "
+        lines.append(f"{r.rate_bps / 1e9:>4.1f} Gb/s {r.rtt_ms:>4.0f} ms {100 * r.loss:>6.3f} % {r.mtu:>5} "
+                     f"{r.congestion_control:<6} "
                      f"{r.streams:>7}  {r.piece_bytes >> 10:>5} KiB {r.goodput_gbps:>7.3f} Gb/s  {r.ratio:>6.3f}  "
                      f"{r.bdp_bytes / 2**20:>5.1f} MiB  {r.cwnd_bytes / 2**20:>7.1f} MiB  {r.tcp_retransmits:>11.0f}")
     return "\n".join(lines)

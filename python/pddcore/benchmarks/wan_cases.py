@@ -144,8 +144,9 @@ class TcpResult:
         return {**asdict(self), "ratio_to_line_rate": self.ratio}
 
 
-def bulk_tcp(rate: str | None, delay_ms: float, seconds: float = 6.0, offload: bool = True) -> TcpResult:
-    with WanLink(rate=rate, delay_ms=delay_ms, offload=offload) as link:
+def bulk_tcp(rate: str | None, delay_ms: float, seconds: float = 6.0, offload: bool = True,
+             mtu: int = 1500) -> TcpResult:
+    with WanLink(rate=rate, delay_ms=delay_ms, offload=offload, mtu=mtu) as link:
         receiver = link.b.spawn(_tcp_receive, 9200)
         link.b.wait_port(9200)
         link.a.call(_tcp_send, link.b.address, 9200, seconds)
