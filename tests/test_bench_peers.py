@@ -62,7 +62,7 @@ def test_rows_flag_failures_and_wrong_bytes_and_leave_them_out_of_the_summary():
     assert peer_cases.format_row(result, wrong).endswith("| WRONG BYTES: mooncake")
     assert peer_cases.format_row(result, broken).endswith("| nixl: failed: RuntimeError: NIXL transfer ended in state ERR")
     report = PeersReport([result], {"other": "import other failed: ModuleNotFoundError"}, {}, "bbr")
-    assert peer_cases.summary(report) == [("64 KiB, 1 Gbit/s, 50 ms RTT, 0.1 % loss", 0.9, "mooncake-tuned", 0.3)]
+    assert peer_cases.summary(report) == [("pddcore 64 KiB, 1G 50ms 0.1% loss", 0.9, "mooncake-tuned", 0.3)]
     table = peer_cases.format_table(report).splitlines()
     assert table[0] == "other: skipped: import other failed: ModuleNotFoundError"
     assert len(table) == 1 + 3 + 1  # skipped, one row per peer, the congestion control

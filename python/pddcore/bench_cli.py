@@ -202,7 +202,7 @@ def case_peers(quick: bool, backend: str) -> CaseOutput:
         raise Skipped("the WAN path is tcp")
     report = _in_fresh_process(peer_cases.peers_case, peer_cases.QUICK_POINTS if quick else peer_cases.FULL_POINTS,
                                nbytes=(32 << 20) if quick else (128 << 20))
-    rows = [Row("peers", f"pddcore, {what}", ours, peer, theirs, "Gbit/s")
+    rows = [Row("peers", what, ours, peer, theirs, "Gbit/s")
             for what, ours, peer, theirs in peer_cases.summary(report)]
     return CaseOutput(report.as_dict(), peer_cases.format_table(report), rows)
 
