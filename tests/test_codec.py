@@ -1,5 +1,6 @@
 """pddcore.codec: lossless codecs are bit-exact, fp8 stays within E4M3's rounding bound,
-bad frames raise without touching ``out``, and frames cross a TransferEngine loopback."""
+bad frames raise without touching ``out``, frames cross a TransferEngine loopback and (as
+root) the emulated WAN into MD's pool."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pddcore.codec import CodecError, lossless
 from pddcore.codec.fp8 import E4M3_MAX
 from pddcore.codec.frame import FrameHeader
 from pddcore.model import KVPool, Model, ModelConfig
+from pddcore.testing.wan import unavailable_reason as wan_unavailable
 
 LOSSLESS = ["none", "zstd", "lz4"]
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -482,3 +484,44 @@ def test_bench_checkpoint_kv_is_measured_when_a_folder_is_named(tmp_path, monkey
     rows = kv["tiny-llama bfloat16"]
     context = codec_cases.documents(codec_cases.agentic_trace(), quick=True)[0]
     assert rows.dtype == torch.bfloat16 and rows.shape == (2 * 2 * -(-len(context) // 16), 16 * 2 * 16)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(wan_unavailable() is not None, reason=f"WAN emulator: {wan_unavailable()}")
+def test_bench_wan_frames_rebuild_md_pages_across_the_emulated_link():
+    """The WAN phase of the codec bench at CI size: MD's pool pages hold exactly P's bytes
+    after each lossless codec (and not after fp8: the comparison can tell), zstd puts
+    fewer bytes than the raw bfloat16 KV on the wire, and every frame crossed the delay."""
+    from pddcore import bench_cli
+    from pddcore.benchmarks import codec_cases
+
+    cfg = codec_cases.MODELS["embedded"]
+    r = codec_cases.wan_case("200mbit", delay_ms=5, trials=2, config="embedded", dtype=torch.bfloat16,
+                             document_tokens=64, handoff=100)
+    assert [(p.payload, p.tokens, p.codec) for p in r.points] == [
+        (payload, n, c) for payload, n in (("handoff", 100), ("document", 64)) for c in codec_cases.CODECS]
+    for p in r.points:
+        rows = cfg.num_layers * 2 * p.tokens // codec_cases.WAN_PAGE_SIZE  # one per page of a layer's K or V
+        assert p.raw_bytes == p.tokens * 2 * cfg.num_layers * cfg.kv_size * 2
+        assert len(p.end_to_end_ms) == len(p.rebuilt_equal) == 2
+        assert min(p.wire_ms) >= r.rtt_ms / 2
+        if p.codec == "fp8":  # the documented frame: prefix, 2-D shape, a float32 scale per row, CRC; a byte a value
+            assert p.wire_bytes == 24 + 2 * 8 + 4 * rows + 4 + p.raw_bytes // 2
+            assert not any(p.rebuilt_equal)
+        else:
+            assert all(p.rebuilt_equal), p.codec
+        if p.codec == "none":
+            assert p.wire_bytes == len(codec.get("none").encode(torch.zeros(rows, p.raw_bytes // rows // 2,
+                                                                            dtype=torch.bfloat16)))
+        if p.codec == "zstd":
+            assert p.wire_bytes < p.raw_bytes
+    assert "64-token document" in codec_cases.format_wan(r) and "exact" in codec_cases.format_wan(r)
+    # pddcore bench's rows: each codec's median beside none's, none's beside the line rate.
+    rows = {row.what: row for row in bench_cli.codec_wan_rows([r])}
+    assert len(rows) == len(r.points)
+    for p in r.points:
+        row = rows[f"{p.codec}, {p.tokens}-token {p.payload}, 200Mbit/s 10ms"]
+        none = next(q for q in r.points if q.payload == p.payload and q.codec == "none")
+        floor = p.raw_bytes * 8 / 200e6 * 1e3 + 5
+        assert row.value == pytest.approx(sum(p.end_to_end_ms) / 2)  # the median of two trials
+        assert row.baseline == pytest.approx(floor if p.codec == "none" else sum(none.end_to_end_ms) / 2)

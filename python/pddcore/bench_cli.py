@@ -333,15 +333,23 @@ def case_codec(quick: bool, backend: str) -> CaseOutput:
         wans = [_in_fresh_process(codec_cases.wan_case, rate, trials=3 if quick else 10) for rate in rates]
         data["wan"] = [w.as_dict() for w in wans]
         text += "".join("\n\n" + codec_cases.format_wan(w) for w in wans)
-        for w in wans:
-            for p in w.points:
-                what = f"{p.codec}, {p.tokens}-token {p.payload}, {w.rate_bps / 1e6:g}Mbit/s {w.rtt_ms:g}ms"
-                baseline = ("line-rate floor", w.line_rate_ms(p)) if p.codec == "none" else \
-                    ("none", w.baseline(p).median_ms)
-                rows.append(Row("codec", what, p.median_ms, *baseline, "ms"))
+        rows += codec_wan_rows(wans)
     else:
         text += f"\n(WAN rows skipped: {reason})"
     return CaseOutput(data, text, rows)
+
+
+def codec_wan_rows(wans: list[codec_cases.WanResult]) -> list[Row]:
+    """Per link, payload and codec: the median end to end against ``none``'s (``none``'s
+    against the line-rate floor)."""
+    rows = []
+    for w in wans:
+        for p in w.points:
+            what = f"{p.codec}, {p.tokens}-token {p.payload}, {w.rate_bps / 1e6:g}Mbit/s {w.rtt_ms:g}ms"
+            baseline = ("line-rate floor", w.line_rate_ms(p)) if p.codec == "none" else \
+                ("none", w.baseline(p).median_ms)
+            rows.append(Row("codec", what, p.median_ms, *baseline, "ms"))
+    return rows
 
 
 RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {

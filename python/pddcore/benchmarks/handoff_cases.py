@@ -67,13 +67,14 @@ _ACK = struct.Struct("<3sI")  # b"ack", trial
 _MD_PORT, _RLD_PORT = 9510, 9511
 
 
-def _model(config_name: str):
+def bench_model(config_name: str, dtype=None):
+    """The seeded model of ``MODELS[config_name]`` in ``dtype`` (None: float64), on one thread."""
     import torch
 
     from ..model import Model
 
     torch.set_num_threads(1)  # tiny ops: more OpenMP threads only contend on a small CPU
-    return Model.default(seed=0, config=MODELS[config_name])
+    return Model.default(seed=0, config=MODELS[config_name], dtype=dtype or torch.float64)
 
 
 def _prompt(prefix_len: int, vocab: int) -> list[int]:
@@ -96,7 +97,7 @@ def main_decode(config_name: str, prefix_len: int, tokens: int, info_path: str, 
     from pddcore.handoff import Handoff
     from pddcore.transfer import TransferEngine
 
-    model = _model(config_name)
+    model = bench_model(config_name)
     pool = model.new_pool(num_pages=(prefix_len + 4 * tokens) // PAGE_SIZE + 8, page_size=PAGE_SIZE)
     layout = pool.layout()
     prefix = pool.new_sequence()
@@ -173,7 +174,7 @@ def relay_decode(config_name: str, prefix_len: int, tokens: int, trials: int, in
     from pddcore.handoff import FINAL, Handoff, SamplerState
     from pddcore.transfer import TransferEngine
 
-    model = _model(config_name)
+    model = bench_model(config_name)
     pool = model.new_pool(num_pages=(prefix_len + tokens) // PAGE_SIZE + 8, page_size=PAGE_SIZE)
     layout = pool.layout()
     seq = pool.new_sequence()
@@ -192,7 +193,7 @@ def relay_decode(config_name: str, prefix_len: int, tokens: int, trials: int, in
         src = engine.register(buf)
         md = engine.connect(desc_address(kv_desc))
         engine.send(md, b"hello")
-        _await(engine, b"ready")
+        await_message(engine, b"ready")
         sizes = {}
         for trial, kind in enumerate(order):
             time.sleep(rng.uniform(0.02, 0.06))  # no phase lock with the bulk flows
@@ -208,14 +209,14 @@ def relay_decode(config_name: str, prefix_len: int, tokens: int, trials: int, in
                 engine.send(md, message)
                 sizes["ids"] = len(message)
             started[trial] = t0
-            _await(engine, _ACK.pack(b"ack", trial))
+            await_message(engine, _ACK.pack(b"ack", trial))
             if transfer is not None:
                 transfer.wait()  # done before MD's ack; raises if the write failed
         stats = engine.stats()["peers"][md.address]
     return {"started": started, "kinds": order, "payload_bytes": sizes, "rtt_s": stats["rtt_s"]}
 
 
-def _await(engine, expected: bytes, timeout: float = 60.0) -> None:
+def await_message(engine, expected: bytes, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(m.payload == expected for m in engine.poll_messages(timeout=1.0)):
