@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from .auth import bench_token
-from .handoff_cases import MODELS
+from .handoff_cases import MODELS, bench_model
 from .transfer_cases import desc_address, read_info, write_info
 
 PAGE_SIZE = 16
@@ -60,15 +60,6 @@ class StreamResult:
                 "prefill_median_ms": statistics.median(self.prefill_ms)}
 
 
-def _model(config_name: str):
-    import torch
-
-    from ..model import Model
-
-    torch.set_num_threads(1)
-    return Model.default(seed=0, config=MODELS[config_name])
-
-
 def _document(tokens: int, vocab: int) -> list[int]:
     return [(37 * i + 11) % vocab for i in range(tokens)]
 
@@ -81,7 +72,7 @@ def main_decode(config_name: str, tokens: int, trials: int, info_path: str, list
     from pddcore.streaming import LayerStreamReceiver
     from pddcore.transfer import TransferEngine
 
-    model = _model(config_name)
+    model = bench_model(config_name)
     pool = model.new_pool(num_pages=-(-tokens // PAGE_SIZE) + 1, page_size=PAGE_SIZE)
     seq = pool.allocate_sequence(tokens)
     layout, pages = pool.layout(), torch.tensor(seq.pages)
@@ -119,7 +110,7 @@ def prefill(config_name: str, tokens: int, trials: int, info_path: str) -> dict:
     from pddcore.streaming import LayerStreamSender
     from pddcore.transfer import TransferEngine
 
-    model = _model(config_name)
+    model = bench_model(config_name)
     pool = model.new_pool(num_pages=-(-tokens // PAGE_SIZE) + 1, page_size=PAGE_SIZE)
     document = _document(tokens, model.config.vocab_size)
     layers = model.config.num_layers
