@@ -31,7 +31,9 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from pddcore import TransferEngine  # noqa: E402
 from pddcore.integrations.vllm import PDDConnector, PDDConnectorMetadata, PDDHandshakeMetadata  # noqa: E402
 from pddcore.integrations.vllm.metadata import _Load  # noqa: E402
-from pddcore.integrations.vllm.protocol import MAGIC as _MAGIC  # noqa: E402
+from pddcore.integrations.vllm.protocol import MAGIC as _MAGIC, MESSAGES  # noqa: E402
+from pddcore.streaming import LayerStreamSender  # noqa: E402
+from pddcore.transfer import RegionDescriptor, TransferError  # noqa: E402
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS, EOS = 16, 2, 8, 3, 24, 2
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -139,6 +141,7 @@ def test_scheduler_producer_then_consumer(model_dir):
     assert params["do_remote_prefill"] and not params["do_remote_decode"]
     assert params["remote_block_ids"] == blocks and params["remote_request_id"] == "p-1"
     assert (params["remote_host"], params["remote_port"], params["tp_size"]) == ("127.0.0.1", 45001, 1)
+    assert not meta.pushes and "pdd_pushed" not in params  # no pdd_push_to: pulled, as ever
     assert prod.connector.has_pending_push_work() and free_blocks(prod) == idle - 3  # held for the consumer
     out = prod.schedule()
     assert out.kv_connector_metadata.send_deadlines == {"p-1": prod.connector.lease_s}
@@ -528,6 +531,279 @@ def test_wildcard_host_is_advertised_as_the_routable_address(model_dir, monkeypa
             assert peer.connect(w.conn.address).connected
     finally:
         w.conn.shutdown()
+
+
+# ---- push mode ---------------------------------------------------------------------------------
+
+def test_scheduler_pushes_only_to_a_consumer_of_its_own_tp_size(model_dir):
+    """pdd_push_to with one address per rank of this (TP 1) producer: pushed, and the answer
+    says so; another TP size, a malformed value or none: pulled, the answer as without push."""
+    prod = make_scheduler(model_dir, "kv_producer")
+    prod.connector.set_xfer_handshake_metadata({0: PDDHandshakeMetadata("127.0.0.1:45001", 0, 1, HEADS)})
+    cases = {"p-eq": ["127.0.0.1:46000"], "p-tp2": ["127.0.0.1:46000", "127.0.0.1:46001"], "p-bad": "127.0.0.1:46000",
+             "p-none": None}
+    reqs = [make_request(rid, list(range(100 + 50 * i, 140 + 50 * i)), 1,
+                         {"do_remote_decode": True, **({} if push_to is None else {"pdd_push_to": push_to})})
+            for i, (rid, push_to) in enumerate(cases.items())]
+    for r in reqs:
+        prod.add_request(r)
+    out = prod.schedule()
+    assert set(out.kv_connector_metadata.saves) == set(cases)
+    assert out.kv_connector_metadata.pushes == {"p-eq": ["127.0.0.1:46000"]}
+    outputs = prod.update_from_output(out, runner_output(reqs))
+    params = {o.request_id: o.kv_transfer_params for eo in outputs.values() for o in eo.outputs}
+    assert params["p-eq"]["pdd_pushed"] is True
+    assert all("pdd_pushed" not in params[rid] for rid in ("p-tp2", "p-bad", "p-none"))
+    assert all(params[rid]["remote_request_id"] == rid and params[rid]["do_remote_prefill"] for rid in cases)
+
+
+def pushed_params(producer: Worker, p_req: str, p_blocks: list[int]) -> dict:
+    """What a pushed request's finished producer answers (the keys the consumer worker reads)."""
+    return dict(do_remote_prefill=True, remote_request_id=p_req, pdd_addresses=[producer.conn.address], tp_size=1,
+                remote_block_ids=p_blocks, remote_host="127.0.0.1", remote_port=1, pdd_pushed=True)
+
+
+def forward(worker: Worker, meta: PDDConnectorMetadata, layers: range = range(LAYERS)) -> None:
+    """The model runner's forward up to (not including) wait_for_save: save_kv_layer per layer."""
+    worker.conn.bind_connector_metadata(meta)
+    worker.conn.start_load_kv(None)
+    for layer in layers:
+        worker.conn.save_kv_layer(LAYER_NAMES[layer], worker.kv[LAYER_NAMES[layer]], None)
+
+
+def end_forward(worker: Worker) -> KVConnectorOutput:
+    """The rest of the step after ``forward``: wait_for_save and the step's transfer results."""
+    conn = worker.conn
+    conn.wait_for_save()
+    results = conn.get_transfer_results(set())
+    conn.clear_connector_metadata()
+    return KVConnectorOutput(finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+                             failed_recving=results.failed_recving,
+                             invalid_block_ids=conn.get_block_ids_with_load_errors())
+
+
+@pytest.mark.parametrize("p_layout, d_layout, d_kernel", [("LBNHC", "LBHNC", None), ("BLNHC", "LBNHC", 8)])
+def test_push_mode_end_to_end_through_both_schedulers(model_dir, p_layout, d_layout, d_kernel):
+    """The proxy names the consumer's worker in pdd_push_to: the real producer Scheduler asks its
+    worker to push, answers pdd_pushed, the consumer Scheduler's load completes from the stream
+    (no pull) and its blocks hold the producer's bytes, in other layouts and block splits."""
+    prod, cons = make_scheduler(model_dir, "kv_producer"), make_scheduler(model_dir, "kv_consumer")
+    pw = make_worker(model_dir, "kv_producer", layout=p_layout, seed=11)
+    cw = make_worker(model_dir, "kv_consumer", layout=d_layout, kernel_block=d_kernel, seed=12)
+    try:
+        prod.connector.set_xfer_handshake_metadata({0: pw.conn.get_handshake_metadata()})
+        prompt, idle = list(range(200, 240)), free_blocks(prod)
+        req = make_request("p-A", prompt, 1, {"do_remote_decode": True, "pdd_push_to": [cw.conn.address]})
+        prod.add_request(req)
+        out = prod.schedule()
+        p_blocks = prod.kv_cache_manager.get_block_ids("p-A")[0]
+        assert out.kv_connector_metadata.pushes == {"p-A": [cw.conn.address]}
+        params = finished_params(prod.update_from_output(out, runner_output([req], worker_step(
+            pw, out.kv_connector_metadata, forward=True))))
+        assert params["pdd_pushed"] is True and params["remote_block_ids"] == p_blocks
+        assert params["pdd_addresses"] == [pw.conn.address]  # the pull keys stay
+
+        cons.add_request(make_request("d-A", prompt, 3, dict(params)))
+        deadline, first_scheduled, recving, sending = time.monotonic() + 60, {}, set(), set()
+        while "d-A" not in first_scheduled or "p-A" not in sending:
+            assert time.monotonic() < deadline
+            sending |= engine_step(prod, pw)[1].finished_sending
+            scheduled, kv_out = engine_step(cons, cw)
+            assert not kv_out.failed_recving and not kv_out.invalid_block_ids
+            recving |= kv_out.finished_recving
+            for r, n in scheduled.items():
+                first_scheduled.setdefault(r, n)
+        assert recving == {"d-A"} and first_scheduled == {"d-A": 1}  # only the last prompt token is computed
+        assert as_bytes(cw.blocks(cons.kv_cache_manager.get_block_ids("d-A")[0])) == as_bytes(pw.blocks(p_blocks))
+        assert not pw.conn._serving and not pw.conn._staged and free_blocks(prod) == idle  # nothing was pulled
+        assert not cw.conn._reservations and not cw.conn._pending_loads
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
+def test_push_posts_each_layer_from_save_kv_layer_while_the_forward_runs(model_dir):
+    """Layer 0 is packed before the consumer answered; once the answer is in, the next
+    save_kv_layer posts layers 0 and 1, and the consumer sees them land while the producer's
+    forward is still short of its last layer."""
+    pw = make_worker(model_dir, "kv_producer", seed=21)
+    cw = make_worker(model_dir, "kv_consumer", seed=22)
+    try:
+        meta = PDDConnectorMetadata(saves={"p-req": [3, 8, 5]}, pushes={"p-req": [cw.conn.address]})
+        forward(pw, meta, range(1))
+        target = pw.conn._staged["p-req"].push.targets[0]
+        assert target.stream is None and not target.posted  # no answer yet: layer 0 waits, the forward goes on
+        drive([cw.conn], lambda r, e: pw.conn.engine.stats()["messages_received"] >= 1)  # the consumer answered
+        forward(pw, meta, range(1, 2))
+        assert target.posted == {0, 1}
+        reservation = cw.conn._reservations[(pw.conn.engine.engine_id, b"p-req")]
+
+        def landed() -> list[bool]:
+            progress = reservation.receiver.progress(pw.conn.engine.engine_id, b"p-req")
+            return progress.layers_landed if progress else [False] * LAYERS
+
+        drive([cw.conn], lambda r, e: landed()[:2] == [True, True])
+        assert landed() == [True, True, False] and not reservation.complete
+        forward(pw, meta, range(2, LAYERS))
+        assert target.posted == set(range(LAYERS))  # every layer left before wait_for_save
+        sent = end_forward(pw).finished_sending | worker_step(pw, PDDConnectorMetadata(
+            send_deadlines={"p-req": 60.0})).finished_sending
+        out = worker_step(cw, PDDConnectorMetadata(loads={"d-req": _Load([10, 12, 14], 0,
+                                                                         pushed_params(pw, "p-req", [3, 8, 5]))}))
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: (out.finished_recving | r[1].finished_recving)
+                                and (sent | r[0].finished_sending))
+        assert out.finished_recving | results[1].finished_recving == {"d-req"}
+        assert not out.failed_recving and not results[1].failed_recving and not out.invalid_block_ids and not errors[1]
+        assert sent | results[0].finished_sending == {"p-req"}
+        assert as_bytes(cw.blocks([10, 12, 14])) == as_bytes(pw.blocks([3, 8, 5]))
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
+@pytest.mark.parametrize("mla, d_tp, skip", [(False, 1, 1), (True, 1, 0), (True, 2, 0)])
+def test_layers_pushed_before_the_consumer_saw_the_request_are_kept_and_used(model_dir, mla, d_tp, skip):
+    """The whole stream lands before the consumer's scheduler knows the request; its load then
+    completes within its first step, without a message to the producer, taking only the blocks
+    past its own prefix hit (skip). MLA: one producer rank pushes to every consumer rank."""
+    heads = 1 if mla else HEADS
+    pw = make_worker(model_dir, "kv_producer", heads=heads, layout="LHBNC", mla=mla, seed=31)
+    cws = [make_worker(model_dir, "kv_consumer", r, d_tp, heads, mla=mla, seed=32 + r) for r in range(d_tp)]
+    p_blocks, d_blocks = [3, 8, 5], [10, 12, 14][skip:]
+    try:
+        consumers = [w.conn.address for w in cws]
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}, pushes={"p-req": consumers}), forward=True)
+        assert len(pw.conn._staged["p-req"].push.targets) == d_tp
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+        stream = (pw.conn.engine.engine_id, b"p-req")
+        sent, _ = drive([pw.conn] + [w.conn for w in cws], lambda r, e: r[0].finished_sending and all(
+            stream in w.conn._reservations and w.conn._reservations[stream].complete for w in cws))
+        assert sent[0].finished_sending == {"p-req"} and not pw.conn._staged
+        assert all(list(w.conn._reservations) == [stream] for w in cws)  # every layer landed, nobody loaded yet
+        messages_at_producer = pw.conn.engine.stats()["messages_received"]
+        for w in cws:
+            out = worker_step(w, PDDConnectorMetadata(loads={"d-req": _Load(d_blocks, skip,
+                                                                            pushed_params(pw, "p-req", p_blocks))}))
+            assert out.finished_recving == {"d-req"} and not out.failed_recving and not out.invalid_block_ids
+            assert as_bytes(w.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks[skip:]))
+            assert not w.conn._reservations and not w.conn._pending_loads
+            assert w.conn.staging._idle_bytes == sum(r.nbytes for r in w.conn.engine.regions())  # back in the pool
+        pw.conn.get_transfer_results(set())
+        assert pw.conn.engine.stats()["messages_received"] == messages_at_producer  # no pull was sent
+    finally:
+        pw.conn.shutdown()
+        for w in cws:
+            w.conn.shutdown()
+
+
+def fake_reserve(fake: TransferEngine, consumer: PDDConnector, key: str, nbytes: int) -> dict:
+    """Sends the consumer a reserve from a bare engine, as a producer would; returns the answer."""
+    fake.send(fake.connect(consumer.address), MESSAGES.encode("reserve", req=key, nbytes=nbytes, num_layers=LAYERS,
+                                                              reply=fake.address))
+    answers = []
+    drive([consumer], lambda r, e: answers.extend(MESSAGES.decode(m.payload) for m in fake.poll_messages()) or answers)
+    return answers[0]
+
+
+def fake_stream(fake: TransferEngine, consumer: PDDConnector, key: str, descriptor: bytes, nbytes: int,
+                layers: range = range(LAYERS)) -> None:
+    """Writes random bytes into ``descriptor`` as ``layers`` of a layer stream named ``key``."""
+    per_layer = nbytes // LAYERS
+    src = fake.register(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    stream = LayerStreamSender(fake, fake.connect(consumer.address), key.encode(), LAYERS)
+    for layer in layers:
+        stream.post(layer, [(src, layer * per_layer, descriptor, layer * per_layer, per_layer)]).wait(timeout=60)
+
+
+def test_unclaimed_push_buffers_are_freed_after_the_lease(model_dir):
+    """Nobody claims two push buffers: the complete one goes back to the pool, the incomplete one
+    is unregistered (its producer could still write), and a load that comes too late fails
+    (vLLM recomputes) instead of reading freed memory."""
+    pw = make_worker(model_dir, "kv_producer", seed=41)
+    cw = make_worker(model_dir, "kv_consumer", extra={"lease_s": 2.0, "load_timeout_s": 0.5})
+    fake = TransferEngine()
+    try:
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": [3, 8]}, pushes={"p-req": [cw.conn.address]}),
+                    forward=True)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+        stream = (pw.conn.engine.engine_id, b"p-req")
+        drive([pw.conn, cw.conn], lambda r, e: stream in cw.conn._reservations
+              and cw.conn._reservations[stream].complete)
+        nbytes = cw.conn.layout.packed_nbytes(2)
+        answer = fake_reserve(fake, cw.conn, "f-req", nbytes)
+        fake_stream(fake, cw.conn, "f-req", bytes.fromhex(answer["region"]), nbytes, range(1))  # one layer of three
+        complete = cw.conn._reservations[stream]
+        assert not cw.conn._reservations[(fake.engine_id, b"f-req")].complete
+        complete_region = complete.buffer.region.id
+        incomplete_region = RegionDescriptor.from_bytes(bytes.fromhex(answer["region"])).region_id
+
+        drive([cw.conn], lambda r, e: not cw.conn._reservations)  # both leases run out
+        regions = {r.id for r in cw.conn.engine.regions()}
+        assert complete_region in regions and incomplete_region not in regions
+        assert cw.conn.staging._idle_bytes == sum(r.nbytes for r in cw.conn.engine.regions())  # only the pool's
+        with pytest.raises(TransferError, match="unknown destination region"):  # it takes no more writes
+            fake_stream(fake, cw.conn, "f-req", bytes.fromhex(answer["region"]), nbytes, range(1, 2))
+
+        worker_step(cw, PDDConnectorMetadata(loads={"d-req": _Load([10, 12], 0, pushed_params(pw, "p-req", [3, 8]))}))
+        results, errors = drive([cw.conn], lambda r, e: r[0].finished_recving)
+        assert results[0].failed_recving == {"d-req"} and errors[0] == {10, 12}
+    finally:
+        fake.close()
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
+def test_another_engines_stream_of_the_same_key_is_ignored(model_dir):
+    """A rogue engine writes a whole stream named like the producer's into the producer's push
+    buffer, and completes one of the same name into a buffer it reserved itself: neither
+    completes the load, which takes the producer's stream when it comes."""
+    pw = make_worker(model_dir, "kv_producer", seed=51)
+    cw = make_worker(model_dir, "kv_consumer", seed=52)
+    rogue = TransferEngine()
+    p_blocks, d_blocks = [3, 8, 5], [10, 12, 14]
+    try:
+        worker_step(cw, PDDConnectorMetadata(loads={"d-req": _Load(d_blocks, 0, pushed_params(pw, "p-req", p_blocks))}))
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}, pushes={"p-req": [cw.conn.address]}),
+                    forward=True)  # its reserve is out, the consumer has not answered yet
+        drive([cw.conn], lambda r, e: cw.conn._reservations)
+        real = cw.conn._reservations[(pw.conn.engine.engine_id, b"p-req")]
+        assert real.load == "d-req"  # claimed by the load that was waiting for it
+        nbytes = real.nbytes
+        fake_stream(rogue, cw.conn, "p-req", real.buffer.region.descriptor(), nbytes)  # into the producer's buffer
+        answer = fake_reserve(rogue, cw.conn, "p-req", nbytes)  # a buffer of its own, same key
+        fake_stream(rogue, cw.conn, "p-req", bytes.fromhex(answer["region"]), nbytes)
+        results, errors = drive([cw.conn], lambda r, e: cw.conn._reservations[(rogue.engine_id, b"p-req")].complete)
+        assert not results[0].finished_recving and not errors[0]  # neither completed nor failed
+        assert real.receiver.progress(pw.conn.engine.engine_id, b"p-req") is None and not real.complete
+
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)  # the producer posts now
+        assert not results[1].failed_recving and not errors[1]
+        assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks))
+    finally:
+        rogue.close()
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
+def test_a_push_the_producer_drops_fails_the_load(model_dir):
+    """The producer drops the request while its stream is incomplete: the consumer hears of it
+    and fails the load like a failed pull (vLLM recomputes), its push buffer unregistered."""
+    pw = make_worker(model_dir, "kv_producer", seed=61)
+    cw = make_worker(model_dir, "kv_consumer", seed=62)
+    try:
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": [3, 8]}, pushes={"p-req": [cw.conn.address]}),
+                    forward=True)
+        worker_step(cw, PDDConnectorMetadata(loads={"d-req": _Load([10, 12], 0, pushed_params(pw, "p-req", [3, 8]))}))
+        drive([cw.conn], lambda r, e: cw.conn._reservations)
+        region = cw.conn._reservations[(pw.conn.engine.engine_id, b"p-req")].buffer.region.id
+        worker_step(pw, PDDConnectorMetadata(dropped_sends={"p-req"}))  # before it took the consumer's answer
+        assert not pw.conn._staged
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
+        assert results[1].failed_recving == {"d-req"} and errors[1] == {10, 12}
+        assert not cw.conn._reservations and region not in {r.id for r in cw.conn.engine.regions()}
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """vLLM KV connector on pddcore (built and tested against vllm 0.33.0's ``KVConnectorBase_V1``).
 
 The connector (:mod:`.connector`) runs as a scheduler (:mod:`.scheduler`) and as workers
-(:mod:`.worker`: :mod:`.producer` on the prefill side, :mod:`.consumer` on the decode side),
-which exchange the messages of :mod:`.protocol`.
+(:mod:`.worker`: :mod:`.producer` on the prefill side, :mod:`.consumer` on the decode side,
+with :mod:`.push_producer` and :mod:`.push_consumer` in push mode), which exchange the
+messages of :mod:`.protocol`.
 
 Load it the standard way::
 
@@ -15,7 +16,8 @@ It speaks the ``kv_transfer_params`` of vLLM's own disaggregation connectors
 disaggregation proxy works unchanged: the prefill (producer) answers with those keys, the
 proxy hands them to the decode (consumer).
 
-Data path (push over :class:`pddcore.TransferEngine`, TCP):
+Data path (one-sided writes over :class:`pddcore.TransferEngine`, TCP or RDMA), pull mode,
+the default:
 
 * producer workers: ``save_kv_layer`` packs each layer of a request whose prefill completes
   this step into a staging buffer (``pddcore.pack``, layer-major) as the forward proceeds;
@@ -27,6 +29,30 @@ Data path (push over :class:`pddcore.TransferEngine`, TCP):
   and applied, then reports the request in ``finished_recving``; a failure reports its blocks
   through ``get_block_ids_with_load_errors`` (and the request in ``failed_recving``), so vLLM
   recomputes them rather than read a half-written block.
+
+Push mode streams the KV layer by layer during the prefill, so the transfer overlaps the
+forward instead of starting after it (the proxy knows both sides, as for vLLM's
+P2pNcclConnector). The proxy adds the consumer's worker addresses, one per consumer rank (the
+handshake addresses, or ``remote_host:remote_port + rank``), to the producer request's
+params::
+
+    {"do_remote_decode": True, "pdd_push_to": ["10.0.0.2:7100"]}
+
+* the producer rank asks its consumer rank for a push buffer (``reserve``) at the request's
+  first layer, without waiting for the answer; from the answer on, every layer is posted
+  from ``save_kv_layer`` as soon as it is packed (:mod:`pddcore.streaming`: one write per
+  layer, its notify naming the layer), and the layers packed before the answer follow at the
+  next hook (``save_kv_layer``, ``wait_for_save`` or the message pump);
+* the producer's answer adds ``"pdd_pushed": True`` to the usual keys; the consumer's
+  ``start_load_kv`` then takes the push buffer of the producer rank named there (stream key:
+  ``remote_request_id``) instead of pulling, and completes the load once every layer landed,
+  at once when they all landed before the consumer's scheduler saw the request;
+* only the engine that reserved a buffer is told where it is, and its stream is believed
+  only from that engine (the notification's sender engine id); a buffer nobody claims within
+  ``lease_s`` is freed; a refused, failed or incomplete stream fails the load like a failed
+  pull (vLLM recomputes the prompt);
+* equal TP sizes only (MLA: any, every rank holds the same latent); a request whose
+  ``pdd_push_to`` does not list one address per producer rank, or is malformed, is pulled.
 
 KV caches: whatever vLLM's ``allocate_kv_cache`` gives, in any ``VLLM_KV_CACHE_LAYOUT``
 (per layer a ``[blocks, heads, block_size, head_size + head_size_v]`` view with K and V
@@ -40,11 +66,11 @@ GPU, registered once and reused.
 vLLM's ``get_ip()`` finds it, which honours ``VLLM_HOST_IP``), ``advertise_host`` (the
 address peers connect to, when it differs from ``host``; ``0.0.0.0`` is never
 advertised), ``port`` (base port; rank r listens on port + r; default: any free port,
-published through the handshake metadata), ``lease_s`` (producer keeps unsent KV this
-long, default 60), ``load_timeout_s`` (consumer gives up, default 60), ``auth_token`` (the
-same on every producer and consumer; required unless ``host`` is a loopback address or
-``insecure`` is true: without it anybody who reaches the port could write into staging
-buffers),
+published through the handshake metadata), ``lease_s`` (producer keeps unsent KV, and a
+consumer an unclaimed push buffer, this long; default 60), ``load_timeout_s`` (consumer
+gives up, default 60), ``auth_token`` (the same on every producer and consumer; required
+unless ``host`` is a loopback address or ``insecure`` is true: without it anybody who
+reaches the port could write into staging buffers),
 ``backend`` (``"tcp"``, default, or ``"rdma"``), ``rdma_device`` (e.g. ``"mlx5_0"``),
 ``gpudirect`` (rdma with KV on a GPU: stage in registered device memory, which the NIC reads
 and writes directly, instead of pinned host memory), ``tp_rank`` (override for tests or

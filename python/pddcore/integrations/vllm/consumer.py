@@ -4,7 +4,8 @@ a ``pull`` (blocks to skip: the decode side's own prefix-cache hit; head range w
 sizes differ). The request's blocks are unpacked only once every producer rank's write
 was verified and applied, then reported in ``finished_recving``; a failure reports its
 blocks through ``get_block_ids_with_load_errors`` (and the request in ``failed_recving``),
-so vLLM recomputes them rather than read a half-written block.
+so vLLM recomputes them rather than read a half-written block. A request whose KV the
+producer pushed (``pdd_pushed``) is loaded from its push buffer instead (:mod:`.push_consumer`).
 
 The staging buffer holds one segment per producer rank, in the order of the sources::
 
@@ -26,6 +27,7 @@ from .._heads import head_slices
 from .._messages import MalformedMessage
 from .._staging import StagingBuffer
 from .metadata import PDDConnectorMetadata, _Load
+from .push_consumer import _PushedLoad
 
 __all__ = ["ConsumerWorker"]
 
@@ -53,6 +55,7 @@ class _PendingLoad:
     segments: list[_Segment] = field(default_factory=list)
     staging: StagingBuffer | None = None
     done_sources: set[int] = field(default_factory=set)
+    pushed: _PushedLoad | None = None      # push mode: loaded from the producer's stream
 
 
 class ConsumerWorker:
@@ -72,7 +75,10 @@ class ConsumerWorker:
                 self._peers.send(address, "drop", req=params.get("remote_request_id"))
         for req_id, load in meta.loads.items():
             try:
-                self._start_load(req_id, load)
+                if load.params.get("pdd_pushed"):
+                    self._start_pushed_load(req_id, load)
+                else:
+                    self._start_load(req_id, load)
             except Exception as exc:
                 log.warning("PDDConnector: load of %s failed to start: %s", req_id, exc)
                 self._fail_load(req_id, load.local_block_ids)
@@ -89,12 +95,18 @@ class ConsumerWorker:
             return list(params["pdd_addresses"])
         return [f"{params['remote_host']}:{int(params['remote_port']) + r}" for r in range(int(params.get("tp_size", 1)))]
 
-    def _start_load(self, req_id: str, load: _Load) -> None:
-        params, n = load.params, len(load.local_block_ids)
-        remote_blocks = len(params.get("remote_block_ids") or ())
+    @staticmethod
+    def _remote_blocks(load: _Load) -> int:
+        """How many blocks the producer holds for ``load``; checks that they cover it."""
+        remote_blocks, n = len(load.params.get("remote_block_ids") or ()), len(load.local_block_ids)
         if load.skip_blocks + n > remote_blocks:
             raise ValueError(f"needs blocks [{load.skip_blocks}, {load.skip_blocks + n}) but the producer holds "
                              f"{remote_blocks}")
+        return remote_blocks
+
+    def _start_load(self, req_id: str, load: _Load) -> None:
+        params, n = load.params, len(load.local_block_ids)
+        self._remote_blocks(load)
         addresses = self._producer_addresses(params)
         if self.layout.is_mla:
             sources = [(self.tp_rank % len(addresses), None, None)]
@@ -114,6 +126,22 @@ class ConsumerWorker:
                              src_heads=list(seg.src_heads) if seg.src_heads else None,
                              region=pending.staging.region.descriptor().hex(), offset=seg.offset,
                              seg_bytes=seg.nbytes, reply=self.address)
+
+    def _start_pushed_load(self, req_id: str, load: _Load) -> None:
+        """A load of KV the producer pushes: from its rank this rank's heads come from (the
+        rank of the same index; with MLA, as for a pull), under its request id as the key."""
+        params, remote_blocks = load.params, self._remote_blocks(load)
+        addresses = self._producer_addresses(params)
+        if not self.layout.is_mla and len(addresses) != self.tp_size:
+            raise ValueError(f"pushed KV needs equal TP sizes (or MLA); the producer has {len(addresses)} ranks, "
+                             f"this consumer {self.tp_size}")
+        producer = self._peers.connect(addresses[self.tp_rank % len(addresses)])
+        pushed = _PushedLoad((producer.engine_id, str(params["remote_request_id"]).encode()),
+                             load.skip_blocks * self.pages_per_block, remote_blocks * self.pages_per_block)
+        pending = _PendingLoad(req_id, load.local_block_ids, self._pages(load.local_block_ids), time.monotonic(),
+                               pushed=pushed)
+        self._pending_loads[req_id] = pending
+        self._claim_push(pending)
 
     def _on_done(self, message: Message, msg: dict) -> None:
         """Data applied: believed only as the write notification of the producer rank asked."""
@@ -166,9 +194,12 @@ class ConsumerWorker:
         self._finished_recving.add(req_id)
 
     def _finish_load(self, pending: _PendingLoad) -> None:
-        staging = pending.staging.tensor
-        for seg in pending.segments:
-            unpack(self.layout, pending.pages, staging[seg.offset:seg.offset + seg.nbytes], heads=seg.dst_heads)
+        if pending.pushed is not None:
+            self._unpack_pushed(pending)
+        else:
+            staging = pending.staging.tensor
+            for seg in pending.segments:
+                unpack(self.layout, pending.pages, staging[seg.offset:seg.offset + seg.nbytes], heads=seg.dst_heads)
         if self.layout.device.type == "cuda":
             torch.cuda.current_stream(self.layout.device).synchronize()
         self._release_staging(pending)
@@ -179,3 +210,5 @@ class ConsumerWorker:
         if pending.staging is not None:
             self.staging.release(pending.staging)
             pending.staging = None
+        if pending.pushed is not None:
+            self._free_reservation(pending.pushed.stream)

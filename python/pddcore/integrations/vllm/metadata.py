@@ -4,6 +4,7 @@ scheduler, and the scheduler's per-step instructions to its workers.
 Example::
 
     meta = PDDConnectorMetadata(saves={"p-1": [3, 8]})              # producer: stage blocks 3, 8
+    meta = PDDConnectorMetadata(saves={"p-1": [3, 8]}, pushes={"p-1": ["10.0.0.2:7000"]})   # ... and push them
     meta = PDDConnectorMetadata(loads={"d-1": _Load([10, 12], 0, kv_transfer_params)})   # consumer
 """
 
@@ -42,6 +43,7 @@ class PDDConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per step."""
 
     saves: dict[str, list[int]] = field(default_factory=dict)        # producer: req -> all its block ids
+    pushes: dict[str, list[str]] = field(default_factory=dict)       # producer: req -> consumer rank addresses
     send_deadlines: dict[str, float] = field(default_factory=dict)   # producer: finished req -> lease (s)
     dropped_sends: set[str] = field(default_factory=set)             # producer: finished without a consumer
     loads: dict[str, _Load] = field(default_factory=dict)            # consumer: req -> what to pull

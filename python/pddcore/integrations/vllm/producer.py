@@ -2,10 +2,12 @@
 ``save_kv_layer`` packs each layer of a request whose prefill completes this step into a
 staging buffer (:class:`_Staged`, layer-major) as the forward proceeds; each consumer rank's
 ``pull`` is answered by writing its blocks (head-sliced when the TP sizes differ) into the
-consumer's staging buffer with a ``done`` notification. The staged copy is kept until every
-pull it expects was served, the consumer dropped it, or its lease ran out.
+consumer's staging buffer with a ``done`` notification. In push mode each packed layer is
+also streamed to the consumer at once (:mod:`.push_producer`). The staged copy is kept until
+every pull (or push) it expects was served, the consumer dropped it, or its lease ran out.
 
-Staged bytes of a request with ``n`` pages, per layer ``l`` (K then V, each all ``n`` pages)::
+Staged bytes of a request with ``n`` pages, per layer ``l`` (K then V, each all ``n`` pages;
+see :mod:`.layer_major`)::
 
     [layer 0: K pages 0..n | V pages 0..n][layer 1: ...] ...     layer_range(l) -> (lo, hi)
 """
@@ -25,8 +27,10 @@ from ...transfer import Message, Transfer
 from .._heads import destinations_of
 from .._messages import MalformedMessage
 from .._staging import StagingBuffer, StagingPool
+from .layer_major import layer_major_layout, layer_offsets
 from .metadata import PDDConnectorMetadata
 from .protocol import MESSAGES
+from .push_producer import _Push
 
 __all__ = ["ProducerWorker"]
 
@@ -45,6 +49,7 @@ class _Staged:
     ready: bool = False
     deadline: float | None = None
     expected_pulls: int = 1
+    push: _Push | None = None
 
     @property
     def num_pages(self) -> int:
@@ -53,18 +58,9 @@ class _Staged:
     @classmethod
     def allocate(cls, src: KVLayout, pages: torch.Tensor, pool: StagingPool) -> "_Staged":
         n = len(pages)
-        offsets = [0]
-        for layer in range(src.num_layers):
-            offsets.append(offsets[-1] + src.packed_nbytes(n, layers=[layer]))
+        offsets = layer_offsets(src, n)
         buffer = pool.acquire(offsets[-1])
-        ppl, planes = src.planes_per_layer, src.planes
-        ptrs = [buffer.tensor.data_ptr() + offsets[layer] + p * n * planes[layer * ppl + p].page_bytes
-                for layer in range(src.num_layers) for p in range(ppl)]
-        first = planes[0]
-        layout = KVLayout.from_pointers(ptrs[::ppl], [planes[i * ppl].page_bytes for i in range(src.num_layers)], n,
-                                        v_ptrs=ptrs[1::ppl] if ppl == 2 else None, device=pool.buffer_device,
-                                        tokens_per_page=first.tokens_per_page, num_kv_heads=first.num_heads)
-        return cls(pages, buffer, layout, offsets)
+        return cls(pages, buffer, layer_major_layout(src, n, buffer.tensor, pool.buffer_device), offsets)
 
     def layer_range(self, layer: int) -> tuple[int, int]:
         return self.layer_offsets[layer], self.layer_offsets[layer + 1]
@@ -85,12 +81,19 @@ class ProducerWorker:
         if not isinstance(meta, PDDConnectorMetadata) or not meta.saves or layer_name not in self._layer_index:
             return
         layer = self._layer_index[layer_name]
+        pushing = []
         for req_id, block_ids in meta.saves.items():
             staged = self._staged.get(req_id)
             if staged is None:
                 staged = self._staged[req_id] = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
+                if req_id in meta.pushes:
+                    self._start_push(req_id, staged, meta.pushes[req_id])
             lo, hi = staged.layer_range(layer)
             pack(self.layout, staged.pages, layers=[layer], out=staged.buffer.tensor[lo:hi])
+            if staged.push is not None:
+                pushing.append((req_id, staged))
+        if pushing:
+            self._push_packed_layer(layer, pushing)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
@@ -99,7 +102,10 @@ class ProducerWorker:
         if meta.saves and self.layout.device.type == "cuda":
             torch.cuda.current_stream(self.layout.device).synchronize()
         for req_id in meta.saves:
-            self._staged[req_id].ready = True
+            staged = self._staged[req_id]
+            staged.ready = True
+            if staged.push is not None:
+                self._post_packed_layers(req_id, staged)
             self._serve(req_id)
         for req_id, lease in meta.send_deadlines.items():
             if req_id in self._staged:
@@ -167,6 +173,8 @@ class ProducerWorker:
     def _drop_send(self, req_id: str) -> None:
         staged = self._staged.pop(req_id, None)
         if staged is not None:
+            if staged.push is not None:
+                self._stop_push(req_id, staged)
             self.staging.release(staged.buffer)
         self._pulls.pop(req_id, None)
         self._served.pop(req_id, None)
@@ -185,13 +193,21 @@ class ProducerWorker:
                     self.staging.release(own)
                 self._served[req_id] = self._served.get(req_id, 0) + 1
             self._serving[req_id] = remaining
-            staged = self._staged.get(req_id)
-            if not remaining and staged is not None and self._served.get(req_id, 0) >= staged.expected_pulls:
-                del self._serving[req_id]
-                self._drop_send(req_id)
-                self._finished_sending.add(req_id)
+            self._finish_if_served(req_id)
         for req_id, staged in list(self._staged.items()):
             if staged.deadline is not None and now > staged.deadline and req_id not in self._serving:
                 log.warning("PDDConnector: lease of %s expired before a consumer pulled it", req_id)
                 self._drop_send(req_id)
                 self._finished_sending.add(req_id)
+
+    def _finish_if_served(self, req_id: str) -> None:
+        """Frees the staged copy (and reports the blocks free) once every pull or push it
+        expects was served and no write from it is still out."""
+        staged = self._staged.get(req_id)
+        if staged is None or self._serving.get(req_id) or self._served.get(req_id, 0) < staged.expected_pulls:
+            return
+        if staged.push is not None and staged.deadline is None:
+            return  # a push can land within the forward's own step, before the scheduler finished the request
+        self._serving.pop(req_id, None)
+        self._drop_send(req_id)
+        self._finished_sending.add(req_id)

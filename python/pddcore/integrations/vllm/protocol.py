@@ -10,6 +10,15 @@ concerns under ``req``):
 * ``fail`` (either way): ``req`` failed for ``reason``;
 * ``drop`` (consumer -> producer): the consumer aborted ``req`` before pulling it.
 
+Push mode (``req`` is the producer's request id, which also keys the layer stream):
+
+* ``reserve`` (producer -> consumer rank): a push buffer of ``nbytes`` for a stream of
+  ``num_layers`` layers, answered at ``reply`` (the producer's engine address);
+* ``reserved`` (the answer): the buffer is the consumer's region ``region`` (hex
+  descriptor) from ``offset`` on;
+* ``refused`` (the other answer): no push buffer, for ``reason``;
+* ``stream_failed`` (producer -> consumer): the stream of ``req`` will not complete.
+
 Example::
 
     MESSAGES.encode("done", req="d-1", src=0)          # b'PDDVLLM1{"k": "done", "req": "d-1", "src": 0}'
@@ -28,4 +37,8 @@ MESSAGES = MessageCodec(MAGIC, "PDDConnector", key="req", key_check=is_str, kind
     "done": {"src": is_int},
     "fail": {"reason": is_str},
     "drop": {},
+    "reserve": {"nbytes": is_int, "num_layers": is_int, "reply": is_str},
+    "reserved": {"region": is_hex, "offset": is_int},
+    "refused": {"reason": is_str},
+    "stream_failed": {"reason": is_str},
 })

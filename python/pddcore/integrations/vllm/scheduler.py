@@ -6,10 +6,15 @@ A producer's finished request answers with the ``kv_transfer_params`` a consumer
 
     {"do_remote_prefill": True, "remote_block_ids": [3, 8], "remote_request_id": "p-1",
      "remote_host": "10.0.0.1", "remote_port": 7000, "tp_size": 1, "pdd_addresses": ["10.0.0.1:7000"], ...}
+
+Push mode: a producer request that arrives with ``"pdd_push_to": ["10.0.0.2:7100"]`` (the
+consumer's worker addresses, one per rank) is streamed there during its forward, and its
+answer adds ``"pdd_pushed": True``.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
@@ -24,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SchedulerSide"]
 
+log = logging.getLogger(__name__)
+
 
 def _first_group(block_ids: Any) -> list[int]:
     return list(block_ids[0]) if isinstance(block_ids, tuple) else list(block_ids)
@@ -31,10 +38,12 @@ def _first_group(block_ids: Any) -> list[int]:
 
 class SchedulerSide:
     """The connector's scheduler-role methods; :class:`PDDConnector` sets ``engine_id``,
-    ``host``, ``base_port``, ``tp_size`` and ``lease_s`` before :meth:`_init_scheduler`."""
+    ``host``, ``base_port``, ``tp_size``, ``lease_s`` and ``attention_spec`` before
+    :meth:`_init_scheduler`."""
 
     def _init_scheduler(self) -> None:
         self._producing: dict[str, "Request"] = {}
+        self._push_to: dict[str, list[str]] = {}
         self._loads: dict[str, _Load] = {}
         self._meta = PDDConnectorMetadata()
         self._sending: set[str] = set()
@@ -65,6 +74,9 @@ class SchedulerSide:
             return
         if params.get("do_remote_decode"):
             self._producing[request.request_id] = request
+            push_to = self._push_targets(request.request_id, params)
+            if push_to:
+                self._push_to[request.request_id] = push_to
         if params.get("do_remote_prefill") and num_external_tokens > 0:
             all_ids = _first_group(blocks.get_block_ids())
             fresh = blocks.get_unhashed_block_ids()
@@ -78,6 +90,8 @@ class SchedulerSide:
             request = self._producing.get(req_id)
             if request is not None and request.num_computed_tokens + num_tokens >= request.num_prompt_tokens:
                 meta.saves[req_id] = _first_group(self._kv_cache_manager.get_block_ids(req_id))
+                if req_id in self._push_to:
+                    meta.pushes[req_id] = self._push_to[req_id]
                 del self._producing[req_id]
         return meta
 
@@ -86,6 +100,7 @@ class SchedulerSide:
 
         params = request.kv_transfer_params
         self._producing.pop(request.request_id, None)
+        pushed = self._push_to.pop(request.request_id, None) is not None
         if not params:
             return False, None
         if params.get("do_remote_prefill"):  # consumer aborted before its pull: let the producer free
@@ -107,7 +122,24 @@ class SchedulerSide:
                           remote_engine_id=self.engine_id, remote_request_id=request.request_id,
                           remote_host=host, remote_port=port, tp_size=self.tp_size,
                           remote_num_tokens=request.num_computed_tokens,
-                          pdd_addresses=[self._addresses[r] for r in sorted(self._addresses)] or None)
+                          pdd_addresses=[self._addresses[r] for r in sorted(self._addresses)] or None,
+                          **({"pdd_pushed": True} if pushed else {}))
+
+    def _push_targets(self, req_id: str, params: dict) -> list[str] | None:
+        """The consumer ranks to push ``req_id``'s KV to, or None to leave it to be pulled."""
+        push_to = params.get("pdd_push_to")
+        if push_to is None:
+            return None
+        if not (isinstance(push_to, list) and push_to and all(isinstance(a, str) and a for a in push_to)):
+            log.warning("PDDConnector: %s: pdd_push_to must list the consumer's worker addresses, got %r; "
+                        "it will be pulled", req_id, push_to)
+            return None
+        mla = self.attention_spec is not None and not self.attention_spec.head_size_v
+        if len(push_to) != self.tp_size and not mla:
+            log.info("PDDConnector: %s: consumer TP %d differs from this TP %d; it will be pulled", req_id,
+                     len(push_to), self.tp_size)
+            return None
+        return list(push_to)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         for req_id in connector_output.finished_sending or ():

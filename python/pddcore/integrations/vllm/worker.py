@@ -1,7 +1,7 @@
 """The worker side of :class:`~pddcore.integrations.vllm.PDDConnector`, common to both roles:
 the transfer engine, the :class:`KVLayout` over vLLM's KV caches, the handshake, and the
-control messages, each handed to the producer (:mod:`.producer`) or consumer
-(:mod:`.consumer`) half.
+control messages, each handed to the producer (:mod:`.producer`, :mod:`.push_producer`) or
+consumer (:mod:`.consumer`, :mod:`.push_consumer`) half.
 
 vLLM's caches, per layer (``pages_per_block`` kernel blocks per vLLM block)::
 
@@ -25,16 +25,18 @@ from .consumer import ConsumerWorker
 from .metadata import PDDHandshakeMetadata
 from .producer import ProducerWorker
 from .protocol import MESSAGES
+from .push_consumer import PushConsumer
+from .push_producer import PushProducer
 
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger(__name__)
 
 
-class WorkerSide(ProducerWorker, ConsumerWorker):
+class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
     """The connector's worker-role methods; :class:`PDDConnector` sets ``listen_host``,
-    ``host``, ``base_port``, ``tp_size``, ``load_timeout_s`` and ``attention_spec`` before
-    :meth:`_init_worker`."""
+    ``host``, ``base_port``, ``tp_size``, ``lease_s``, ``load_timeout_s`` and
+    ``attention_spec`` before :meth:`_init_worker`."""
 
     def _init_worker(self, extra: dict) -> None:
         if "tp_rank" in extra:
@@ -56,7 +58,9 @@ class WorkerSide(ProducerWorker, ConsumerWorker):
         self._layer_index: dict[str, int] = {}
         self._peers = Peers(self.engine, MESSAGES, log)
         self._init_producer()
+        self._init_push_producer()
         self._init_consumer()
+        self._init_push_consumer()
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -108,6 +112,8 @@ class WorkerSide(ProducerWorker, ConsumerWorker):
     def _pump(self) -> None:
         """Acts on every message received; a bad one fails only the request it names."""
         for message in self.engine.poll_messages():
+            if self._on_stream_notification(message):
+                continue
             try:
                 self._on_message(message, MESSAGES.decode(message.payload))
             except MalformedMessage as exc:
@@ -115,20 +121,17 @@ class WorkerSide(ProducerWorker, ConsumerWorker):
                 self._fail_named_load(exc.key, f"malformed message from {message.sender}: {exc}")
 
     def _on_message(self, message: Message, msg: dict) -> None:
-        kind = msg["k"]
-        if kind == "pull":
-            self._on_pull(message, msg)
-        elif kind == "drop":
-            self._on_drop(msg["req"])
-        elif kind == "done":
-            self._on_done(message, msg)
-        else:  # "fail": MESSAGES admits no other kind
-            self._on_fail(message, msg)
+        handlers = {"pull": self._on_pull, "drop": lambda _, m: self._on_drop(m["req"]), "done": self._on_done,
+                    "fail": self._on_fail, "reserve": self._on_reserve, "reserved": self._on_reserved,
+                    "refused": self._on_refused, "stream_failed": self._on_stream_failed}
+        handlers[msg["k"]](message, msg)  # MESSAGES admits no other kind
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._pump()
+        self._progress_pushes()
         self._progress_sends()
         self._expire_loads()
+        self._expire_reservations()
         results = KVConnectorTransferResults(self._finished_sending, self._finished_recving, self._failed_recving)
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return results
@@ -139,4 +142,5 @@ class WorkerSide(ProducerWorker, ConsumerWorker):
 
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
+            self._shutdown_push_producer()
             self.engine.close()

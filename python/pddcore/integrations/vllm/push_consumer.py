@@ -1,0 +1,218 @@
+"""The consumer's half of push mode: push buffers reserved for producers, the layer streams
+that fill them, and the loads that take them.
+
+A producer rank's ``reserve`` (stream key: the producer's request id) gets a target buffer
+from the :class:`~pddcore.integrations._staging.StagingPool`, registered for that engine
+alone to be told of; the answer ``reserved`` names it. The producer's layer-stream
+notifications (:mod:`pddcore.streaming`) are believed only from the engine that reserved the
+buffer: each reservation feeds its own :class:`~pddcore.streaming.LayerStreamReceiver`,
+found by ``(sender engine id, key)``, so another engine's stream of the same key reaches
+nothing. Layers may land before the scheduler sees the request; ``start_load_kv`` of a
+request with ``pdd_pushed`` claims the reservation of the engine it names (waiting for it
+when it is not there yet) and the load completes as soon as the stream is complete.
+
+A buffer nobody claims within ``lease_s`` is freed, like one whose stream failed: back to
+the pool once its stream was complete, unregistered otherwise (the producer may still be
+writing into it, so it must never serve another request).
+
+Reservations, keyed by the reserving engine and the stream key::
+
+    {(engine_id, b"p-req-7"): _Reservation(address="10.0.0.1:7000", nbytes=..., buffer=...)}
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...pack import pack, unpack
+from ...streaming import LayerStreamReceiver, StreamError, decode_notification
+from ...transfer import Message, TransferError
+from .._messages import MalformedMessage
+from .._staging import StagingBuffer
+from .layer_major import layer_major_layout
+
+if TYPE_CHECKING:
+    from .consumer import _PendingLoad
+
+__all__ = ["PushConsumer"]
+
+log = logging.getLogger(__name__)
+
+StreamId = tuple[int, bytes]   # (the producer engine's id, the stream key)
+
+
+@dataclass
+class _PushedLoad:
+    """A load served from a push buffer: the stream it waits for, and which of the pushed
+    pages it takes (``skip_pages`` the consumer's own prefix cache already held)."""
+
+    stream: StreamId
+    skip_pages: int
+    total_pages: int
+
+
+@dataclass
+class _Reservation:
+    """A push buffer handed to one producer engine for one stream."""
+
+    address: str                      # the producer's reply address
+    nbytes: int
+    num_layers: int
+    deadline: float                   # freed unless a load claimed it by then
+    buffer: StagingBuffer | None
+    receiver: LayerStreamReceiver = field(default_factory=LayerStreamReceiver)
+    complete: bool = False
+    failure: str | None = None
+    load: str | None = None           # the consumer request that claimed it
+
+
+class PushConsumer:
+    """The consumer's push-mode methods; :class:`~.worker.WorkerSide` supplies the engine,
+    ``layout``, ``staging``, ``_peers``, ``lease_s`` and, through
+    :class:`~.consumer.ConsumerWorker`, the pending loads with ``_finish_load`` and ``_fail_load``."""
+
+    def _init_push_consumer(self) -> None:
+        self._reservations: dict[StreamId, _Reservation] = {}
+
+    def _on_reserve(self, message: Message, msg: dict) -> None:
+        key, reply = msg["req"], msg["reply"]
+        if not self._peers.is_from(message, reply):
+            raise MalformedMessage(f"reserve from {message.sender} names another engine ({reply}) to answer", key)
+        stream = (message.sender_engine_id, key.encode())
+        if stream in self._reservations:
+            self._peers.send(reply, "refused", req=key, reason=f"a push buffer for {key} is reserved already")
+            return
+        problem, buffer = self._reservation_problem(msg["nbytes"], msg["num_layers"]), None
+        if problem is None:
+            try:
+                buffer = self.staging.acquire(msg["nbytes"], target=True)
+            except (RuntimeError, TransferError) as exc:  # out of (pinned) memory, or registration refused
+                problem = f"no push buffer: {exc}"
+        reservation = self._reservations[stream] = _Reservation(
+            reply, msg["nbytes"], msg["num_layers"], time.monotonic() + self.lease_s, buffer, failure=problem)
+        if problem:
+            self._peers.send(reply, "refused", req=key, reason=problem)
+        else:
+            self._peers.send(reply, "reserved", req=key, region=reservation.buffer.region.descriptor().hex(), offset=0)
+        waiting = next((p for p in self._pending_loads.values() if p.pushed and p.pushed.stream == stream), None)
+        if waiting is not None:
+            self._claim_push(waiting)
+
+    def _reservation_problem(self, nbytes: int, num_layers: int) -> str | None:
+        if num_layers != self.layout.num_layers:
+            return f"a stream of {num_layers} layers; this consumer has {self.layout.num_layers}"
+        whole_pool = self.layout.packed_nbytes(self.layout.num_pages)
+        if not 0 < nbytes <= whole_pool:
+            return f"{nbytes} bytes; this consumer's whole KV cache packs to {whole_pool}"
+        return None
+
+    def _on_stream_notification(self, message: Message) -> bool:
+        """Feeds a layer-stream notification to the stream it names; False for any other message."""
+        if not message.notification:
+            return False
+        try:
+            decoded = decode_notification(message.payload)
+        except StreamError as exc:
+            log.warning("PDDConnector: dropped a layer-stream notification from %s: %s", message.sender, exc)
+            return True
+        if decoded is None:
+            return False
+        stream = (message.sender_engine_id, decoded[0])
+        reservation = self._reservations.get(stream)
+        if reservation is None or reservation.buffer is None:
+            log.warning("PDDConnector: ignored layer %d of stream %r from %s: that engine holds no push buffer "
+                        "for it", decoded[3], decoded[0], message.sender)
+            return True
+        try:
+            progress = reservation.receiver.feed(message)
+            if progress.num_layers != reservation.num_layers:
+                raise StreamError(f"{progress.num_layers} layers, {reservation.num_layers} were reserved")
+        except StreamError as exc:
+            self._end_reservation(stream, f"bad layer stream: {exc}")
+            return True
+        if progress.complete:
+            reservation.complete = True
+            if reservation.load is not None:
+                self._finish_load(self._pending_loads[reservation.load])
+        return True
+
+    def _on_stream_failed(self, message: Message, msg: dict) -> None:
+        stream = (message.sender_engine_id, msg["req"].encode())
+        if stream in self._reservations:
+            self._end_reservation(stream, f"the producer gave up: {msg['reason']}")
+
+    def _end_reservation(self, stream: StreamId, failure: str) -> None:
+        """The stream failed: its buffer goes, and so does the load that claimed it; an
+        unclaimed entry stays until its lease ends, so that a later load of it fails at once."""
+        reservation = self._reservations[stream]
+        reservation.failure = failure
+        self._discard_buffer(reservation)
+        if reservation.load is not None:
+            log.warning("PDDConnector: load of %s failed: %s", reservation.load, failure)
+            pending = self._pending_loads[reservation.load]
+            self._fail_load(pending.req_id, pending.block_ids)
+
+    def _claim_push(self, pending: "_PendingLoad") -> None:
+        """Ties ``pending`` to its stream's reservation once there is one; completes it when
+        the stream already is."""
+        reservation = self._reservations.get(pending.pushed.stream)
+        if reservation is None:
+            return  # the producer's reserve is still on its way
+        expected = self.layout.packed_nbytes(pending.pushed.total_pages)
+        problem = (reservation.failure or (f"claimed by {reservation.load} already" if reservation.load else None)
+                   or (f"{reservation.nbytes} bytes pushed, this layout needs {expected} (block geometry differs)"
+                       if reservation.nbytes != expected else None))
+        if problem is not None:
+            log.warning("PDDConnector: load of %s failed: pushed KV: %s", pending.req_id, problem)
+            pending.pushed = None  # the reservation is not this load's to free
+            self._fail_load(pending.req_id, pending.block_ids)
+            return
+        reservation.load = pending.req_id
+        if reservation.complete:
+            self._finish_load(pending)
+
+    def _unpack_pushed(self, pending: "_PendingLoad") -> None:
+        reservation, pushed = self._reservations[pending.pushed.stream], pending.pushed
+        if pushed.skip_pages == 0 and pushed.total_pages == len(pending.pages):
+            unpack(self.layout, pending.pages, reservation.buffer.tensor)
+            return
+        # Only some pages of every layer: gather them through a layout over the push buffer.
+        part = self.staging.acquire(self.layout.packed_nbytes(len(pending.pages)))
+        try:
+            view = layer_major_layout(self.layout, pushed.total_pages, reservation.buffer.tensor,
+                                      self.staging.buffer_device)
+            pack(view, torch.arange(pushed.skip_pages, pushed.skip_pages + len(pending.pages)), out=part.tensor)
+            unpack(self.layout, pending.pages, part.tensor)
+        finally:
+            self.staging.release(part)
+
+    def _free_reservation(self, stream: StreamId) -> None:
+        reservation = self._reservations.pop(stream, None)
+        if reservation is not None:
+            self._discard_buffer(reservation)
+
+    def _discard_buffer(self, reservation: _Reservation) -> None:
+        if reservation.buffer is None:
+            return
+        buffer, reservation.buffer = reservation.buffer, None
+        if reservation.complete:
+            self.staging.release(buffer)
+            return
+        try:  # the producer may still write into it: it must never serve another request
+            self.engine.unregister(buffer.region)
+        except TransferError as exc:
+            log.warning("PDDConnector: could not unregister the push buffer from %s: %s", reservation.address, exc)
+
+    def _expire_reservations(self) -> None:
+        now = time.monotonic()
+        for stream, reservation in list(self._reservations.items()):
+            if reservation.load is None and now > reservation.deadline:
+                if reservation.failure is None:
+                    log.warning("PDDConnector: nobody claimed the push buffer of %r from %s within its lease",
+                                stream[1], reservation.address)
+                self._free_reservation(stream)

@@ -1,0 +1,198 @@
+"""The producer's half of push mode: a request whose ``kv_transfer_params`` name the consumer
+ranks (``pdd_push_to``) is streamed to them layer by layer from ``save_kv_layer``, while the
+later layers still compute.
+
+At the request's first layer each consumer rank this rank feeds gets a ``reserve``; its
+``reserved`` answer names a push buffer there. The push's control messages leave from one
+background thread, in order (a first connection to a consumer never stalls the forward, and
+a ``stream_failed`` never overtakes its ``reserve``). From then on every packed layer
+is posted at once as one part of a :class:`~pddcore.streaming.LayerStreamSender`; the layers
+packed before the answer go out from whichever runs first of the next ``save_kv_layer``,
+``wait_for_save`` or the worker's message pump. On a GPU a layer is posted once its pack
+kernel ran: ``save_kv_layer`` of layer ``l`` waits for layer ``l - 1``'s pack (the GPU is on
+layer ``l`` by then), which bounds how far the CPU runs ahead and lets each layer leave
+while the next one computes.
+
+The push buffer mirrors the staged copy (layer-major), so each layer keeps its offsets::
+
+    staged bytes [lo, hi) of layer l  ->  push buffer [offset + lo, offset + hi)   (notify: layer l landed)
+
+A push that fails (refused, a write failed, the request was dropped) tells the consumer with
+``stream_failed``, which fails its load (vLLM recomputes) rather than wait for its timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...streaming import LayerStreamSender
+from ...transfer import Message, Transfer, TransferError
+
+if TYPE_CHECKING:
+    from .producer import _Staged
+
+__all__ = ["PushProducer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PushTarget:
+    """One consumer rank a request's KV is pushed to."""
+
+    address: str
+    stream: LayerStreamSender | None = None   # set by the consumer's ``reserved`` answer
+    region: bytes = b""
+    offset: int = 0
+    posted: set[int] = field(default_factory=set)
+    transfers: list[Transfer] = field(default_factory=list)
+    ended: bool = False                        # landed or failed: counted as served
+
+
+@dataclass
+class _Push:
+    """A request's push: its targets, and its packed layers with the CUDA event each pack
+    recorded (None on the CPU, where pack returns only once it copied)."""
+
+    targets: list[_PushTarget]
+    packed: dict[int, "torch.cuda.Event | None"] = field(default_factory=dict)
+
+    @property
+    def awaiting_reservation(self) -> bool:
+        return any(t.stream is None and not t.ended for t in self.targets)
+
+
+class PushProducer:
+    """The producer's push-mode methods; :class:`~.worker.WorkerSide` supplies the engine,
+    ``layout``, ``_peers``, ``_pump`` and, through :class:`~.producer.ProducerWorker`, the
+    staged copies, ``_served`` and ``_finish_if_served``."""
+
+    def _init_push_producer(self) -> None:
+        self._push_messages = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdd-push")
+
+    def _start_push(self, req_id: str, staged: "_Staged", consumers: list[str]) -> None:
+        """Asks each consumer rank this rank feeds for a push buffer. Rank ``r`` of ``tp``
+        feeds consumer ranks ``r, r + tp, ...``: the one rank of its own index with equal TP
+        sizes; with MLA (one latent, all ranks alike) also the ranks beyond a smaller TP size."""
+        targets = [_PushTarget(address) for address in consumers[self.tp_rank::self.tp_size]]
+        staged.push = _Push(targets)
+        staged.expected_pulls = len(targets)
+        for target in targets:
+            self._send_push_message(target.address, "reserve", req=req_id, nbytes=staged.buffer.nbytes,
+                                    num_layers=self.layout.num_layers, reply=self.address)
+
+    def _send_push_message(self, address: str, kind: str, **fields) -> None:
+        self._push_messages.submit(self._peers.send, address, kind, **fields)
+
+    def _push_packed_layer(self, layer: int, pushing: list[tuple[str, "_Staged"]]) -> None:
+        """``save_kv_layer``'s part: notes ``layer`` packed and posts what is ready to go."""
+        on_gpu = self.layout.device.type == "cuda"
+        for _, staged in pushing:
+            previous = staged.push.packed.get(layer - 1)
+            if on_gpu:
+                event = staged.push.packed[layer] = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.layout.device))
+                if previous is not None and any(t.stream is not None for t in staged.push.targets):
+                    previous.synchronize()
+            else:
+                staged.push.packed[layer] = None
+        if any(staged.push.awaiting_reservation for _, staged in pushing):
+            self._pump()  # a reservation may have come back since the last layer
+        for req_id, staged in pushing:
+            self._post_packed_layers(req_id, staged)
+
+    def _post_packed_layers(self, req_id: str, staged: "_Staged") -> None:
+        """Posts every packed layer (whose pack ran) to every reserved target that lacks it."""
+        for target in staged.push.targets:
+            if target.stream is None or target.ended:
+                continue
+            for layer, event in staged.push.packed.items():
+                if layer in target.posted or (event is not None and not event.query()):
+                    continue
+                lo, hi = staged.layer_range(layer)
+                try:
+                    transfer = target.stream.post(layer, [(staged.buffer.region, lo, target.region, target.offset + lo,
+                                                           hi - lo)])
+                except (TransferError, ValueError) as exc:  # StreamError is a ValueError
+                    self._end_push_target(req_id, target, f"could not post layer {layer}: {exc}")
+                    break
+                target.posted.add(layer)
+                target.transfers.append(transfer)
+
+    def _on_reserved(self, message: Message, msg: dict) -> None:
+        """A consumer rank's push buffer: believed only from the engine asked."""
+        req = msg["req"]
+        staged = self._staged.get(req)
+        targets = staged.push.targets if staged is not None and staged.push is not None else []
+        waiting = (t for t in targets if t.stream is None and not t.ended)
+        target = next((t for t in waiting if self._peers.is_from(message, t.address)), None)
+        if target is None:
+            log.warning("PDDConnector: ignored a push buffer for %s from %s: no push of it waits for one", req,
+                        message.sender)
+            return
+        try:
+            target.stream = LayerStreamSender(self.engine, self._peers.connect(target.address), req.encode(),
+                                              self.layout.num_layers)
+        except (TransferError, ValueError) as exc:
+            self._end_push_target(req, target, f"cannot stream to {target.address}: {exc}")
+            return
+        target.region, target.offset = bytes.fromhex(msg["region"]), msg["offset"]
+        self._post_packed_layers(req, staged)
+
+    def _on_refused(self, message: Message, msg: dict) -> None:
+        """The consumer would not take the push (it fails its load itself)."""
+        req = msg["req"]
+        staged = self._staged.get(req)
+        for target in staged.push.targets if staged is not None and staged.push is not None else []:
+            if not target.ended and self._peers.is_from(message, target.address):
+                log.warning("PDDConnector: %s refused the push of %s: %s", target.address, req, msg["reason"])
+                target.ended = True
+                self._served[req] = self._served.get(req, 0) + 1
+                return
+        log.warning("PDDConnector: ignored a refusal of %s from %s, which was offered no push of it", req,
+                    message.sender)
+
+    def _progress_pushes(self) -> None:
+        """Counts each target whose every layer landed (or whose stream failed) as served."""
+        for req_id, staged in list(self._staged.items()):
+            if staged.push is None:
+                continue
+            for target in staged.push.targets:
+                if target.ended or target.stream is None:
+                    continue
+                failed = next((t for t in target.transfers if t.status in ("failed", "cancelled")), None)
+                if failed is not None:
+                    self._end_push_target(req_id, target, f"transfer {failed.error}")
+                elif target.stream.complete and all(t.status == "done" for t in target.transfers):
+                    self._end_push_target(req_id, target, None)
+            self._finish_if_served(req_id)
+
+    def _end_push_target(self, req_id: str, target: _PushTarget, failure: str | None) -> None:
+        target.ended = True
+        self._served[req_id] = self._served.get(req_id, 0) + 1
+        if failure is not None:
+            log.warning("PDDConnector: push of %s to %s failed: %s", req_id, target.address, failure)
+            self._send_push_message(target.address, "stream_failed", req=req_id, reason=failure)
+
+    def _stop_push(self, req_id: str, staged: "_Staged") -> None:
+        """The staged copy goes away: stops what is still in flight, so that it no longer reads
+        the buffer, and tells the consumers whose stream stays incomplete."""
+        for target in staged.push.targets:
+            if target.ended:
+                continue
+            if target.stream is not None:
+                try:
+                    target.stream.cancel()
+                except TransferError as exc:
+                    log.warning("PDDConnector: cancelling the push of %s to %s: %s", req_id, target.address, exc)
+            target.ended = True
+            self._send_push_message(target.address, "stream_failed", req=req_id,
+                                    reason="the producer dropped the request")
+
+    def _shutdown_push_producer(self) -> None:
+        self._push_messages.shutdown(wait=True, cancel_futures=True)
