@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -98,38 +99,55 @@ def delay_line_capacity(mtu: int, seconds: float = 3.0) -> DelayLineResult:
     return DelayLineResult(mtu, packets, cpu, wall, packets / max(cpu, 1e-9), 1e9 / wire_bits, 1e10 / wire_bits)
 
 
-def _tcp_receive(port: int) -> list[tuple[float, int]]:
+def _tcp_receive(port: int, streams: int = 1) -> list[tuple[float, int]]:
+    """Accepts ``streams`` connections and drains them; (seconds, bytes so far, all
+    connections together) every 50 ms from the first accept."""
     ls = socket.socket()
     ls.bind(("0.0.0.0", port))
-    ls.listen(1)
-    conn, _ = ls.accept()
-    buf = bytearray(4 << 20)
-    total, samples = 0, []
-    start = next_sample = time.monotonic()
-    while n := conn.recv_into(buf):
-        total += n
-        now = time.monotonic()
-        if now >= next_sample:
-            samples.append((now - start, total))
-            next_sample = now + 0.05
-    samples.append((time.monotonic() - start, total))
+    ls.listen(streams)
+    conns = [ls.accept()[0] for _ in range(streams)]
+    received = [0] * streams
+
+    def drain(i: int) -> None:
+        buf = bytearray(4 << 20)
+        while n := conns[i].recv_into(buf):
+            received[i] += n
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(streams)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    samples = []
+    while any(t.is_alive() for t in threads):
+        time.sleep(0.05)
+        samples.append((time.monotonic() - start, sum(received)))
+    samples.append((time.monotonic() - start, sum(received)))
     return samples
 
 
-def _tcp_send(address: str, port: int, seconds: float) -> None:
+def _tcp_send(address: str, port: int, seconds: float, streams: int = 1) -> None:
     # No SO_SNDBUF/SO_RCVBUF: autotuning (tcp_wmem/tcp_rmem up to 64 MiB in the namespaces)
     # grows the windows to the bandwidth-delay product; setting them would cap at rmem_max.
-    s = socket.create_connection((address, port))
+    socks = [socket.create_connection((address, port)) for _ in range(streams)]
     data = bytes(4 << 20)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        s.sendall(data)
-    s.close()
+
+    def send(s: socket.socket) -> None:
+        while time.monotonic() < end:
+            s.sendall(data)
+        s.close()
+
+    threads = [threading.Thread(target=send, args=(s,)) for s in socks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 @dataclass
 class TcpResult:
     offload: bool
+    streams: int
     rate_bps: int | None
     rtt_ms: float
     seconds: float
@@ -145,14 +163,15 @@ class TcpResult:
 
 
 def bulk_tcp(rate: str | None, delay_ms: float, seconds: float = 6.0, offload: bool = True,
-             mtu: int = 1500) -> TcpResult:
+             mtu: int = 1500, streams: int = 1) -> TcpResult:
+    """Plain TCP bulk through a WanLink over ``streams`` connections: what raw sockets reach."""
     with WanLink(rate=rate, delay_ms=delay_ms, offload=offload, mtu=mtu) as link:
-        receiver = link.b.spawn(_tcp_receive, 9200)
+        receiver = link.b.spawn(_tcp_receive, 9200, streams)
         link.b.wait_port(9200)
-        link.a.call(_tcp_send, link.b.address, 9200, seconds)
+        link.a.call(_tcp_send, link.b.address, 9200, seconds, streams)
         samples = receiver.result(60)
         rate_bps = link.rate_bps
     end_t, total = samples[-1]
     mid_t, mid_total = next(s for s in samples if s[0] >= end_t / 2)
-    return TcpResult(offload, rate_bps, 2 * delay_ms, end_t, total * 8 / end_t / 1e9,
+    return TcpResult(offload, streams, rate_bps, 2 * delay_ms, end_t, total * 8 / end_t / 1e9,
                      (total - mid_total) * 8 / (end_t - mid_t) / 1e9)
