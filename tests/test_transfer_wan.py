@@ -36,7 +36,9 @@ def _source(info_path: str, nbytes: int = NBYTES, queue_delay_target_s: float | 
 
     desc = bytes.fromhex(read_info(info_path))
     data = os.urandom(nbytes)
-    with TransferEngine(auth_token=b"wan", streams=4, chunk_bytes=64 << 10,
+    # cubic: a loss-based sender fills the bottleneck queue, which is what the delay pacer
+    # exists to drain (bbr, the default where offered, keeps that queue short by itself).
+    with TransferEngine(auth_token=b"wan", streams=4, chunk_bytes=64 << 10, congestion_control="cubic",
                         queue_delay_target_s=queue_delay_target_s) as engine:
         region = engine.register(bytearray(data))
         peer = engine.connect(desc_address(desc))

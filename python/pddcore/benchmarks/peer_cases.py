@@ -79,14 +79,17 @@ _MOONCAKE_COMMON = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TRANSFE
 
 @dataclass(frozen=True)
 class LinkPoint:
-    """One emulated path: tc-style rate, one-way delay (RTT = 2 x delay_ms), loss probability."""
+    """One emulated path: tc-style rate, one-way delay (RTT = 2 x delay_ms), loss probability,
+    MTU (a lossy path forwards packet by packet: jumbo frames keep that within the delay
+    line's core, as in the ``loss`` case)."""
 
     rate: str
     delay_ms: float
     loss: float
+    mtu: int = 1500
 
 
-FULL_POINTS = (LinkPoint("1gbit", 25.0, 0.0), LinkPoint("1gbit", 25.0, 0.001))
+FULL_POINTS = (LinkPoint("1gbit", 25.0, 0.0), LinkPoint("1gbit", 25.0, 0.001, mtu=9000))
 QUICK_POINTS = (LinkPoint("200mbit", 10.0, 0.0),)
 
 
@@ -356,6 +359,7 @@ class PeerResult:
     loss: float
     piece_bytes: int | None
     nbytes: int
+    mtu: int = 1500
     measurements: list[Measurement] = field(default_factory=list)  # pddcore first
 
     @property
@@ -374,7 +378,8 @@ class PeerResult:
 
     @property
     def link_label(self) -> str:
-        return f"{self.line_gbps:g} Gbit/s, {self.rtt_ms:g} ms RTT, {100 * self.loss:g} % loss"
+        mtu = "" if self.mtu == 1500 else f", MTU {self.mtu}"
+        return f"{self.line_gbps:g} Gbit/s, {self.rtt_ms:g} ms RTT, {100 * self.loss:g} % loss{mtu}"
 
     def as_dict(self) -> dict:
         return {**asdict(self), "line_gbps": self.line_gbps, "bdp_bytes": self.bdp_bytes}
@@ -448,12 +453,12 @@ def peers_case(points=FULL_POINTS, nbytes: int = 128 << 20, pieces=PIECES, only:
     running = [p for p in chosen if p.name not in skipped]
     results = []
     for point in points if running else ():
-        with WanLink(rate=point.rate, delay_ms=point.delay_ms, loss=point.loss, seed=1) as link:
+        with WanLink(rate=point.rate, delay_ms=point.delay_ms, loss=point.loss, seed=1, mtu=point.mtu) as link:
             for ns in (link.a.netns, link.b.netns):
                 netns.write_sysctls(ns, sysctls)
             for piece in pieces:
                 expected = expected_digest(nbytes, piece)
-                result = PeerResult(link.rate_bps, link.rtt_ms, point.loss, piece, nbytes)
+                result = PeerResult(link.rate_bps, link.rtt_ms, point.loss, piece, nbytes, point.mtu)
                 result.measurements = [_measure(link, c, nbytes, piece, expected) for c in (PDDCORE, *running)]
                 results.append(result)
     return PeersReport(results, skipped, {p.name: p.knobs for p in running}, congestion_control)
