@@ -223,10 +223,11 @@ Socket listen_tcp(const HostPort& at, uint16_t* bound_port) {
   return s;
 }
 
-Socket dial_tcp(const HostPort& to, double timeout_s) {
+Socket dial_tcp(const HostPort& to, double timeout_s, const std::string& congestion_control) {
   const sockaddr_in sa = resolve(to);
   Socket s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!s.valid()) throw_errno("socket", errno);
+  if (!congestion_control.empty()) s.set_congestion_control(congestion_control);
   if (::connect(s.fd(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) != 0) {
     if (errno != EINPROGRESS) throw_errno("cannot connect to " + format_address(to), errno);
     pollfd pfd{s.fd(), POLLOUT, 0};

@@ -80,8 +80,9 @@ std::string format_address(const HostPort& hp);
 
 // Listens on host:port (port 0: any free port); returns the socket and the bound port.
 Socket listen_tcp(const HostPort& at, uint16_t* bound_port);
-// Connects within timeout_s or throws TransferError.
-Socket dial_tcp(const HostPort& to, double timeout_s);
+// Connects within timeout_s or throws TransferError. congestion_control: TCP_CONGESTION set
+// before the SYN, so the connection runs it from its first byte ("": the kernel's default).
+Socket dial_tcp(const HostPort& to, double timeout_s, const std::string& congestion_control = "");
 // The remote IPv4 address of a connected socket ("1.2.3.4").
 std::string peer_ip(const Socket& s);
 

@@ -180,7 +180,6 @@ void TcpBackend::run_stream(const LinkPtr& link, Stream& stream) {
       // Acks have no deadline of their own: the core's watchdog judges progress.
       socket.set_timeouts(0, host_.options().timeout_s);
       socket.set_nodelay();
-      if (!host_.options().congestion_control.empty()) socket.set_congestion_control(host_.options().congestion_control);
       progressed = run_session(*link, stream, socket);
     } catch (const std::exception& e) {
       why = e.what();
