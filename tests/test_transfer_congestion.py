@@ -58,6 +58,7 @@ def test_peer_stats_show_the_data_connections_window():
         peer = sender.connect(receiver.address)
         sender.write(peer, src, 0, region.descriptor(), 0, 8 << 20).wait(timeout=30)
         link = sender.stats()["peers"][peer.address]
-        assert link["live_streams"] == 3
-        # At least one full-sized segment per connection: a window TCP_INFO really reported.
-        assert link["cwnd_bytes"] >= 3 * 1000 and link["tcp_retransmits"] >= 0
+        # Streams connect as they get chunks: by the time the write is done, 1 to 3 are up.
+        assert 1 <= link["live_streams"] <= 3
+        # At least one full-sized segment per live connection: windows TCP_INFO really reported.
+        assert link["cwnd_bytes"] >= link["live_streams"] * 1000 and link["tcp_retransmits"] >= 0
