@@ -213,9 +213,9 @@ def test_md_killed_mid_run():
     with Network(**LINK) as net:
         result = run_demo(scenario, net, modes=("pdd",), overrides={"pdd": {"kill_md_after_tokens": 10}})
     metrics = result["metrics"]["pdd"]
-    assert metrics["md_killed"]
-    _assert_complete_and_exact(result, "pdd")
     counts = result["runs"]["pdd"]["summary"]["counts"]
+    assert metrics["md_killed"], counts
+    _assert_complete_and_exact(result, "pdd")
     assert counts.get("md_lost", 0) == 1 and counts.get("finished_RLD", 0) >= 1
     # MD was killed while streaming a request it had taken over: RLD finished it from the
     # tokens the client already had (MD tokens, then RLD tokens again)
