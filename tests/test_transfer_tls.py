@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -120,6 +121,11 @@ def test_tls_ends_must_match():
             tls_engine.connect(plain.address)
         with pytest.raises(TransferError, match="TLS handshake"):
             other.connect(tls_engine.address)  # a different key: the TLS handshake fails
+        # The server side counts each failure on its connection's thread, which may finish
+        # after the client has given up: wait for it (the deadline only turns a miss into a failure).
+        deadline = time.monotonic() + 10
+        while tls_engine.stats()["tls_errors"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert tls_engine.stats()["tls_errors"] >= 2
     with pytest.raises(ValueError, match="needs an auth_token"):
         TransferEngine(tls=True)
