@@ -20,12 +20,14 @@ MARKER = b"PLAINTEXT-MARKER-" * 4  # would be visible in the stream without encr
 
 class Proxy:
     """Forwards every connection to ``upstream``, records what the client sent, and flips one
-    byte of the client's stream on the n-th connection once ``flip_after`` bytes have passed."""
+    byte of the client's stream once, on the first connection numbered ``flip_from`` or later
+    (0 is the control connection) that has passed ``flip_after`` bytes: whichever data stream
+    carries the chunks."""
 
-    def __init__(self, upstream: str, flip_connection: int | None = None, flip_after: int = 256 << 10):
+    def __init__(self, upstream: str, flip_from: int | None = None, flip_after: int = 256 << 10):
         host, port = upstream.rsplit(":", 1)
         self.upstream = (host, int(port))
-        self.flip_connection, self.flip_after = flip_connection, flip_after
+        self.flip_from, self.flip_after = flip_from, flip_after
         self.flipped = False
         self.seen = bytearray()
         self.lock = threading.Lock()
@@ -53,7 +55,8 @@ class Proxy:
                     with self.lock:
                         if len(self.seen) < (64 << 20):
                             self.seen += data
-                        if index == self.flip_connection and not self.flipped and passed + len(data) > self.flip_after:
+                        if (self.flip_from is not None and index >= self.flip_from and not self.flipped
+                                and passed + len(data) > self.flip_after):
                             data = bytearray(data)
                             data[max(0, self.flip_after - passed)] ^= 0x01
                             self.flipped = True
@@ -105,7 +108,7 @@ def test_tls_transfer_is_byte_identical_and_opaque_on_the_wire():
 
 
 def test_tampered_tls_record_is_detected_and_resent():
-    receiver_stats, sender_stats, proxy, identical = write_through(lambda up: Proxy(up, flip_connection=1))
+    receiver_stats, sender_stats, proxy, identical = write_through(lambda up: Proxy(up, flip_from=1))
     assert proxy.flipped
     assert receiver_stats["tls_errors"] >= 1  # the record failed authentication: the connection dropped
     assert sender_stats["retries"] >= 1 and identical  # its chunks were resent on a fresh connection
