@@ -430,7 +430,11 @@ def test_docstring_example_runs(module):
 
     doc = importlib.import_module(module).__doc__
     example = doc.split("Example")[1].split("::", 1)[1]
-    exec(compile("\n".join(line[4:] for line in example.splitlines()), module, "exec"), {})
+    code = "\n".join(line[4:] for line in example.splitlines())
+    assert "assert" in code or "=" in code, f"{module}'s example does nothing to run"
+    namespace: dict = {}
+    exec(compile(code, module, "exec"), namespace)  # the example's own asserts check its results
+    assert set(namespace) - {"__builtins__"}, f"{module}'s example defined nothing"
 
 
 def test_bench_greedy_harness_matches_generate_and_really_quantizes():

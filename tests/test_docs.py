@@ -290,10 +290,12 @@ def _documented_commands() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("page,command", _documented_commands())
 def test_documented_commands_parse(page, command):
+    words = shlex.split(command)
     try:
-        _command_parser().parse_args(shlex.split(command))
+        args = _command_parser().parse_args(words)
     except SystemExit as exc:
         pytest.fail(f"{page}: `pddcore {command}` does not parse (exit {exc.code})")
+    assert args.command == words[0]  # the subcommand the page names, not another one
 
 
 def test_readme_python_runs():

@@ -193,3 +193,18 @@ def test_malformed_notifications_raise(payload, match):
     with pytest.raises(StreamError, match=match):
         decode_notification(payload)
     assert decode_notification(b"PDL") is None and decode_notification(b"other payload of some length") is None
+
+
+def test_an_idle_incomplete_stream_is_forgotten_after_expire_s(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("pddcore.streaming.time.monotonic", lambda: clock[0])
+    receiver = LayerStreamReceiver(expire_s=5.0)
+    receiver.feed(Message("a:1", 7, encode_notification(b"broken", 2, 1, 0, 0), True))
+    clock[0] += 3.0
+    receiver.feed(Message("a:1", 7, encode_notification(b"alive", 2, 1, 0, 0), True))
+    assert receiver.progress(7, b"broken") is not None
+    clock[0] += 3.0  # "broken" idle 6 s, "alive" 3 s
+    receiver.feed(Message("a:1", 7, encode_notification(b"other", 2, 1, 0, 0), True))
+    assert receiver.progress(7, b"broken") is None and receiver.progress(7, b"alive") is not None
+    with pytest.raises(StreamError):
+        LayerStreamReceiver(expire_s=0)

@@ -30,6 +30,7 @@ length u16 and the key bytes (at most 1024).
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -162,12 +163,18 @@ class LayerStreamReceiver:
     """Tracks layer-stream notifications per (sender engine, key); see the module docstring.
 
     A completed stream is forgotten by :meth:`feed` after it returned its final progress, so
-    the same key may stream again (a later request).
+    the same key may stream again (a later request). With ``expire_s``, a stream that got no
+    part for that long (its sender failed or cancelled it) is forgotten too, so a long-lived
+    receiver does not keep every broken stream.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, expire_s: float | None = None) -> None:
+        if expire_s is not None and not expire_s > 0:
+            raise StreamError(f"expire_s must be positive or None, got {expire_s!r}")
+        self._expire_s = expire_s
         self._streams: dict[tuple[int, bytes], StreamProgress] = {}
         self._seen: dict[tuple[int, bytes], set[tuple[int, int]]] = {}
+        self._touched: dict[tuple[int, bytes], float] = {}  # monotonic time of each stream's last part
 
     def feed(self, message: Message) -> StreamProgress | None:
         """Consumes one of :meth:`TransferEngine.poll_messages`'s messages. Returns the stream's
@@ -180,7 +187,12 @@ class LayerStreamReceiver:
         if decoded is None:
             return None
         key, num_layers, parts, layer, part = decoded
+        now = time.monotonic()
+        if self._expire_s is not None:
+            for stale in [i for i, t in self._touched.items() if now - t > self._expire_s]:
+                del self._streams[stale], self._seen[stale], self._touched[stale]
         ident = (message.sender_engine_id, key)
+        self._touched[ident] = now
         progress = self._streams.get(ident)
         if progress is None:
             progress = StreamProgress(key, message.sender_engine_id, num_layers, parts, [0] * num_layers)
@@ -193,7 +205,7 @@ class LayerStreamReceiver:
             self._seen[ident].add((layer, part))
             progress.parts_landed[layer] += 1
         if progress.complete:
-            del self._streams[ident], self._seen[ident]
+            del self._streams[ident], self._seen[ident], self._touched[ident]
         return progress
 
     def progress(self, sender_engine_id: int, key: bytes) -> StreamProgress | None:

@@ -23,7 +23,7 @@ class KvArrivals:
     """Feed every lane message through :meth:`feed`; it returns the messages to handle now."""
 
     def __init__(self, expire_s: float = 600.0):
-        self._streams = LayerStreamReceiver()
+        self._streams = LayerStreamReceiver(expire_s)
         self._landed: dict[tuple[int, str], float] = {}           # streams complete, note not yet here
         self._parked: dict[tuple[int, str], tuple[Message, float]] = {}  # notes whose stream is not complete
         self._expire_s = expire_s  # a stream whose transfer failed never completes; forget it after this

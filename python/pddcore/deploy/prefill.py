@@ -195,20 +195,19 @@ class Prefill:
                             job["out_index"], job["pipeline"], job["max_new_tokens"], job["seed"],
                             streamed=s.stream is not None)
         target = self.targets.get(s.target)
-        if s.stream is not None:
-            commit = self.send_buf[s.src_offset + s.nbytes:s.src_offset + s.nbytes + _COMMIT_BYTES]
-            commit.view(torch.int64)[0] = token
-            write = (self.send_region, s.src_offset + s.nbytes, None, s.dst_offset + s.nbytes, _COMMIT_BYTES)
+        if s.stream is not None:  # the commit slot right after the streamed pages
+            offset, nbytes = s.nbytes, _COMMIT_BYTES
+            self.send_buf[s.src_offset + offset:s.src_offset + offset + nbytes].view(torch.int64)[0] = token
         else:
+            offset, nbytes = 0, s.nbytes
             pack(self.node.layout, torch.tensor(pages[s.pages], dtype=torch.int64),
                  out=self.send_buf[s.src_offset:s.src_offset + s.nbytes])
-            write = (self.send_region, s.src_offset, None, s.dst_offset, s.nbytes)
         if not s.broken:
             try:
                 if target is None:
                     raise TransferError(f"{s.target} was lost")
-                src_region, src, _, dst, n = write
-                s.transfers.append(self.node.engine.write(target.peer, src_region, src, target.descriptor, dst, n,
+                s.transfers.append(self.node.engine.write(target.peer, self.send_region, s.src_offset + offset,
+                                                          target.descriptor, s.dst_offset + offset, nbytes,
                                                           notify=wire.encode_kv(note)))
             except TransferError as e:
                 self.node.log.warning("write of %s to %s refused: %s", s.rid, s.target, e)
