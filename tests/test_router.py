@@ -388,6 +388,22 @@ def test_estimator_reads_a_real_transfer_engine():
     entry = stats["peers"][md.address]
     link = est.estimate(md.address)
     assert link.samples == 1
-    assert link.bytes_per_s == pytest.approx(entry["bytes_sent"] / entry["seconds_busy"])
+    # What TCP measured while the path set the pace, not bytes over busy time.
+    assert link.bytes_per_s == pytest.approx(entry["path_limited_bytes"] / entry["path_limited_seconds"])
     assert entry["bytes_sent"] >= nbytes and link.bytes_per_s > est.floor_bytes_per_s
+
+
+def test_path_limited_counters_win_over_busy_time():
+    """A sender that streams KV as prefill writes it keeps its transfers open while the link
+    waits: bytes over busy time read low; the path-limited counters read the link."""
+    est = BandwidthEstimator()
+    entry = {"bytes_sent": 100 * MiB, "seconds_busy": 10.0, "path_limited_bytes": 100 * MiB,
+             "path_limited_seconds": 1.0}
+    assert est.update_from_stats({"peers": {"md": entry}}) == ["md"]
+    assert est.estimate("md").bytes_per_s == pytest.approx(100 * MiB)
+    # More small streamed transfers: busy time grows, the path never set the pace. Nothing new
+    # to learn; in particular not the 10 MiB/s that bytes over busy time would say.
+    entry.update(bytes_sent=150 * MiB, seconds_busy=15.0)
+    assert est.update_from_stats({"peers": {"md": entry}}) == []
+    assert est.estimate("md").bytes_per_s == pytest.approx(100 * MiB)
 

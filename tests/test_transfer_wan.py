@@ -1,12 +1,13 @@
 """The TCP transfer engine through the WAN emulator (needs root and /dev/net/tun): data
-verified across a real bottleneck and RTT, stats() reporting that RTT, and the engine
-pacing itself to the path (queue_delay_target_s)."""
+verified across a real bottleneck and RTT, stats() reporting that RTT and the path's rate
+under a streaming sender, and the engine pacing itself to the path (queue_delay_target_s)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -19,15 +20,19 @@ pytestmark = [pytest.mark.root, pytest.mark.skipif(_REASON is not None, reason=_
 NBYTES = 16 << 20
 
 
-def _sink(listen: str, info_path: str, nbytes: int = NBYTES) -> str:
+def _sink(listen: str, info_path: str, nbytes: int = NBYTES, writes: int = 1) -> str:
+    """Receives until ``writes`` writes notified b"done" (writes may complete in any order)."""
     from pddcore.transfer import TransferEngine
 
     with TransferEngine(listen=listen, auth_token=b"wan") as engine:
         buf = bytearray(nbytes)
         region = engine.register(buf, target=True)
         write_info(info_path, region.descriptor().hex())
-        got = engine.poll_messages(timeout=60)
-        assert got and got[0].payload == b"done" and got[0].notification, got
+        done = 0
+        while done < writes:
+            got = engine.poll_messages(timeout=60)
+            assert got and all(m.payload == b"done" and m.notification for m in got), got
+            done += len(got)
         return hashlib.sha256(buf).hexdigest()
 
 
@@ -77,3 +82,34 @@ def test_self_paced_transfer_through_a_wan_link():
     # on how much CPU the delay line gets on a loaded machine).
     assert 0 < stats["link_rate_bps"] < 1.5e9
     assert stats["queue_delay_s"] >= 0
+
+
+def _streaming_source(info_path: str, piece: int, pieces: int, gap_s: float) -> dict:
+    """Posts one piece every ``gap_s``, as a prefill posts each layer's KV once written."""
+    from pddcore.transfer import TransferEngine
+
+    desc = bytes.fromhex(read_info(info_path))
+    with TransferEngine(auth_token=b"wan", streams=4) as engine:
+        region = engine.register(bytearray(os.urandom(piece * pieces)))
+        peer = engine.connect(desc_address(desc))
+        futures = []
+        for i in range(pieces):
+            futures.append(engine.write(peer, region, i * piece, desc, i * piece, piece, notify=b"done"))
+            time.sleep(gap_s)
+        for future in futures:
+            future.wait(60)
+        return engine.stats()["peers"][peer.address]
+
+
+def test_streaming_sender_path_limited_rate_reads_the_link():
+    # 512 KiB every 50 ms (84 Mbit/s offered) on a 100 Mbit/s, 40 ms RTT link: the writes
+    # overlap, so the engine is busy all along while the link idles between pieces; bytes
+    # over busy time reads that idling as a slow link, the path-limited counters do not.
+    piece, pieces, line_bps = 512 << 10, 16, 100e6
+    with WanLink(rate="100mbit", delay_ms=20) as link, tempfile.TemporaryDirectory() as tmp:
+        info = os.path.join(tmp, "sink")
+        sink = link.b.spawn(_sink, f"{link.b.address}:9400", info, piece * pieces, pieces)
+        stats = link.a.call(_streaming_source, info, piece, pieces, 0.05, timeout=120)
+        sink.result(60)
+    path_bps = 8 * stats["path_limited_bytes"] / stats["path_limited_seconds"]
+    assert stats["throughput_bps"] < path_bps <= 1.05 * line_bps, stats

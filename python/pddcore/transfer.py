@@ -525,12 +525,18 @@ class TransferEngine:
             ``chunks_sent``, ``retries``, ``transfers_done``, ``transfers_failed``;
             ``seconds_busy``: wall time during which at least one transfer to the peer was
             active; ``throughput_bps``: ``bytes_sent * 8 / seconds_busy`` in **bits** per second
-            (achieved goodput while busy, the router's bandwidth estimate; 0 before any);
+            (achieved goodput while busy; 0 before any);
             ``rtt_s``: smoothed round-trip time of the priority lane, from pings once a second;
             ``connected``: 1.0 while the control connection is up.
             tcp peers: ``live_streams``, the data connections open now; ``cwnd_bytes``, their
             congestion windows summed (what the path lets the engine keep in flight);
-            ``tcp_retransmits``, segments they sent again (TCP_INFO).
+            ``tcp_retransmits``, segments they sent again (TCP_INFO);
+            ``path_limited_bytes`` / ``path_limited_seconds``, the kernel's delivery-rate
+            samples integrated over the time the path, not this sender, set the pace: their
+            ratio is the path's rate (bytes/s) and what the router's bandwidth estimate reads,
+            since ``throughput_bps`` also counts the waits of a sender that streams layers as
+            prefill writes them. Where the receiving host, not the network, is the bottleneck
+            (loopback) the ratio reads above what the engine moves.
             With ``queue_delay_target_s`` (tcp peers): ``paced_bps``, the pacer's current rate
             (0 while unpaced); ``link_rate_bps``, the path rate it learned;
             ``queue_delay_s``, the data connections' smoothed RTT above the path's minimum.

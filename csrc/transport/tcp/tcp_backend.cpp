@@ -23,7 +23,7 @@ namespace {
 // cost more in syscalls than they save.
 constexpr size_t kCrcPiece = 256 << 10;
 constexpr uint64_t kMinWindowBytes = 16ull << 20;
-// How often a link's streams are read (TCP_INFO) for its pacer.
+// How often a link's streams are read (TCP_INFO) for its meter and pacer.
 constexpr int64_t kPathSampleIntervalNs = 1'000'000;
 // While paced, a batch carries about this much time at the paced rate.
 constexpr double kPacedBurstS = 0.001;
@@ -273,10 +273,9 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
 }
 
 void TcpBackend::observe_path(Link& link) {
-  if (!link.pacer) return;
   const int64_t now = now_ns();
   {
-    std::lock_guard<std::mutex> lock(link.pacer_mutex);
+    std::lock_guard<std::mutex> lock(link.path_mutex);
     if (now - link.last_path_sample_ns < kPathSampleIntervalNs) return;
     link.last_path_sample_ns = now;
   }
@@ -289,13 +288,15 @@ void TcpBackend::observe_path(Link& link) {
         if (const std::optional<PathSample> sample = read_path_sample(stream->socket->fd()))
           samples.emplace_back(stream->index, *sample);
   }
-  std::lock_guard<std::mutex> lock(link.pacer_mutex);
-  for (const auto& [index, sample] : samples) link.pacer->observe(index, sample, now);
+  std::lock_guard<std::mutex> lock(link.path_mutex);
+  link.delivery.observe(samples, now);
+  if (link.pacer)
+    for (const auto& [index, sample] : samples) link.pacer->observe(index, sample, now);
 }
 
 uint64_t TcpBackend::batch_limit(Link& link) {
   if (!link.pacer) return kMaxBatchBytes;
-  std::lock_guard<std::mutex> lock(link.pacer_mutex);
+  std::lock_guard<std::mutex> lock(link.path_mutex);
   const double rate_Bps = link.pacer->rate_Bps();
   if (rate_Bps <= 0) return kMaxBatchBytes;
   // A paced batch leaves as one burst: keep it to about a millisecond of the rate, or a
@@ -307,7 +308,7 @@ void TcpBackend::pace_to_path(Link& link, uint64_t bytes, const std::atomic<bool
   if (!link.pacer) return;
   int64_t wait_ns;
   {
-    std::lock_guard<std::mutex> lock(link.pacer_mutex);
+    std::lock_guard<std::mutex> lock(link.path_mutex);
     wait_ns = link.pacer->reserve(bytes, now_ns());
   }
   if (wait_ns <= 0) return;
@@ -545,8 +546,10 @@ void TcpBackend::add_peer_stats(uint64_t peer_key, std::map<std::string, double>
           stats["live_streams"] += 1;
         }
   }
+  std::lock_guard<std::mutex> lock(link->path_mutex);
+  stats["path_limited_bytes"] += link->delivery.bytes();
+  stats["path_limited_seconds"] += link->delivery.seconds();
   if (!link->pacer) return;
-  std::lock_guard<std::mutex> lock(link->pacer_mutex);
   stats["paced_bps"] = std::max(stats["paced_bps"], 8 * link->pacer->rate_Bps());
   stats["link_rate_bps"] = std::max(stats["link_rate_bps"], 8 * link->pacer->link_rate_Bps());
   stats["queue_delay_s"] = std::max(stats["queue_delay_s"], link->pacer->queue_delay_s());

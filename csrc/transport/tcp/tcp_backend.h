@@ -20,6 +20,7 @@
 
 #include "../socket.h"
 #include "delay_pacer.h"
+#include "delivery_meter.h"
 #include "pddcore/transfer_backend.h"
 
 namespace pddcore::transfer::tcp {
@@ -61,10 +62,13 @@ class TcpBackend final : public TransferBackend {
     uint32_t live_streams = 0;
     bool stopping = false;
     std::string dead_reason;  // set once every stream gave up
-    // With queue_delay_target_s: paces this peer's bulk data to the path (under pacer_mutex).
+    // What the kernel measures on the streams, read together (the three under path_mutex):
+    // with queue_delay_target_s a pacer paces this peer's bulk data to the path; the
+    // meter measures the path's rate for stats().
     std::unique_ptr<DelayPacer> pacer;
-    std::mutex pacer_mutex;
-    int64_t last_path_sample_ns = 0;  // under pacer_mutex
+    DeliveryMeter delivery;
+    std::mutex path_mutex;
+    int64_t last_path_sample_ns = 0;
   };
   using LinkPtr = std::shared_ptr<Link>;
 
@@ -84,8 +88,8 @@ class TcpBackend final : public TransferBackend {
   // Sends a batch of chunks: small ones in one gather write with the CRC32C in the header,
   // a big one slice by slice with the CRC32C in a trailer (see wire::ChunkHeader).
   void send_chunks(const Socket& socket, const std::vector<Outgoing>& batch);
-  // Feeds the link's pacer what the kernel measured on every stream, all at one moment (at
-  // most once a millisecond; called as batches leave and as acks arrive).
+  // Feeds the link's meter (and pacer) what the kernel measured on every stream, all at one
+  // moment (at most once a millisecond; called as batches leave and as acks arrive).
   void observe_path(Link& link);
   // Bytes one batch may carry: fewer while the link's pacer paces.
   uint64_t batch_limit(Link& link);

@@ -39,6 +39,7 @@ class _PeerState:
 
 
 # Key names accepted in TransferEngine.stats() per-peer entries, first match wins.
+_PATH_LIMITED_BYTES, _PATH_LIMITED_SECONDS = "path_limited_bytes", "path_limited_seconds"
 _STATS_BYTES = ("bytes_sent", "bytes", "tx_bytes", "bytes_acked", "bytes_written")
 _STATS_SECONDS = ("seconds_busy", "busy_s", "active_s", "busy_seconds", "elapsed_s", "seconds")
 _STATS_RATE = ("throughput_bytes_per_s", "bytes_per_s", "throughput_Bps")
@@ -131,8 +132,14 @@ class BandwidthEstimator:
         Read from it (cumulative counters per peer; deltas between snapshots are the
         samples, the first snapshot gives the average since the engine started)::
 
-            {"peers": {address: {"bytes_sent": float, "seconds_busy": float, "rtt_s": float, ...}}}
+            {"peers": {address: {"path_limited_bytes": float, "path_limited_seconds": float,
+                                 "bytes_sent": float, "seconds_busy": float, "rtt_s": float, ...}}}
 
+        The TCP backend's ``path_limited_*`` counters (the kernel's delivery-rate samples,
+        integrated over the time the path, not the sender, set the pace) are used where
+        present: bytes over busy time also counts the waits of a sender that streams KV
+        layer by layer as prefill writes it, and reads low. While they show no new
+        path-limited time (only small transfers), the estimate keeps what it had.
         ``rtt_s == 0`` means "not measured yet" and is skipped. Also accepted, for other
         engines: ``peers`` as a list of dicts carrying ``peer_id`` / ``peer`` / ``address`` /
         ``id``; bytes under ``bytes`` / ``tx_bytes`` / ``bytes_acked`` / ``bytes_written``;
@@ -154,7 +161,10 @@ class BandwidthEstimator:
                 check_nonneg(f"peer {peer!r} rtt", rtt)
                 if rtt > 0:  # 0 until the engine's first ping came back
                     self._add_rtt(state, float(rtt))
-            nbytes, busy = _first(entry, _STATS_BYTES), _first(entry, _STATS_SECONDS)
+            if _PATH_LIMITED_BYTES in entry and _PATH_LIMITED_SECONDS in entry:
+                nbytes, busy = entry[_PATH_LIMITED_BYTES], entry[_PATH_LIMITED_SECONDS]
+            else:
+                nbytes, busy = _first(entry, _STATS_BYTES), _first(entry, _STATS_SECONDS)
             if nbytes is not None and busy is not None:
                 check_nonneg(f"peer {peer!r} bytes", nbytes)
                 check_nonneg(f"peer {peer!r} seconds", busy)

@@ -1,0 +1,45 @@
+"""The TCP backend's delivery meter (stats' ``path_limited_bytes`` / ``path_limited_seconds``,
+what the router's bandwidth estimator reads): the integration of the kernel's delivery-rate
+samples tested in C++ against hand-made TCP_INFO readings (tests/cpp/delivery_meter_test.cpp:
+connections summed, a streaming sender's waits left out, idle and application-limited
+connections left out, a reconnect is a new baseline), and live counters on loopback. Through
+a real bottleneck with a streaming sender: tests/test_transfer_wan.py (root)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpp_unit
+from pddcore.transfer import TransferEngine
+
+METER_CASES = ["sums_the_connections", "streaming_waits_do_not_count", "idle_connection_is_left_out",
+               "application_limited_samples_say_nothing", "reconnect_is_a_new_baseline",
+               "late_reading_is_dropped_and_silence_capped"]
+
+
+@pytest.fixture(scope="module")
+def meter_test_binary(tmp_path_factory):
+    binary = cpp_unit.build(tmp_path_factory.mktemp("meter"), "delivery_meter_test",
+                            ["tests/cpp/delivery_meter_test.cpp", "csrc/transport/tcp/delivery_meter.cpp"])
+    assert sorted(cpp_unit.cases(binary)) == sorted(METER_CASES)  # every C++ case runs here
+    return binary
+
+
+@pytest.mark.parametrize("case", METER_CASES)
+def test_delivery_meter(meter_test_binary, case):
+    assert cpp_unit.run_case(meter_test_binary, case) == (0, f"ok {case}")
+
+
+def test_bulk_write_on_loopback_is_path_limited():
+    nbytes = 64 << 20
+    with TransferEngine() as receiver, TransferEngine() as sender:
+        region = receiver.register(torch.zeros(nbytes, dtype=torch.uint8), target=True)
+        src = sender.register(torch.ones(nbytes, dtype=torch.uint8))
+        peer = sender.connect(receiver.address)
+        sender.write(peer, src, 0, region.descriptor(), 0, nbytes).wait(timeout=60)
+        link = sender.stats()["peers"][peer.address]
+    # 64 MiB keep every connection's window full for a while: the path set the pace then,
+    # for no longer than the write took.
+    assert 0 < link["path_limited_seconds"] <= link["seconds_busy"]
+    assert link["path_limited_bytes"] > 0
