@@ -32,3 +32,22 @@ def run_case(binary: Path, case: str) -> tuple[int, str]:
     run = subprocess.run([str(binary), case], capture_output=True, text=True)
     lines = run.stdout.strip().splitlines()
     return run.returncode, (lines[-1] if run.returncode == 0 and lines else run.stdout + run.stderr)
+
+
+_BUILT: dict[str, Path] = {}
+
+
+def case_test(name: str, sources: list[str], case_names: list[str], libs: tuple[str, ...] = ()):
+    """A pytest test running each case of the C++ unit test binary ``name`` built from
+    ``sources`` (once per session), after checking the binary has exactly ``case_names``, so
+    every C++ case runs. Assign it to a ``test_...`` name in a test module."""
+
+    @pytest.mark.parametrize("case", case_names)
+    def test(case, tmp_path_factory):
+        if name not in _BUILT:
+            binary = build(tmp_path_factory.mktemp(name), name, sources, libs)
+            assert sorted(cases(binary)) == sorted(case_names)
+            _BUILT[name] = binary
+        assert run_case(_BUILT[name], case) == (0, f"ok {case}")
+
+    return test

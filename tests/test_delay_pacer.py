@@ -18,17 +18,8 @@ PACER_CASES = ["long_rtt", "short_rtt", "bursty_short_rtt", "foreign_delay", "ca
                "message_latency_under_bulk", "unpaced_until_a_queue", "token_bucket", "bad_arguments"]
 
 
-@pytest.fixture(scope="module")
-def pacer_test_binary(tmp_path_factory):
-    binary = cpp_unit.build(tmp_path_factory.mktemp("pacer"), "delay_pacer_test",
-                            ["tests/cpp/delay_pacer_test.cpp", "csrc/transport/tcp/delay_pacer.cpp"])
-    assert sorted(cpp_unit.cases(binary)) == sorted(PACER_CASES)  # every C++ case runs here
-    return binary
-
-
-@pytest.mark.parametrize("case", PACER_CASES)
-def test_delay_pacer(pacer_test_binary, case):
-    assert cpp_unit.run_case(pacer_test_binary, case) == (0, f"ok {case}")
+test_delay_pacer = cpp_unit.case_test("delay_pacer_test", ["tests/cpp/delay_pacer_test.cpp",
+                                                         "csrc/transport/tcp/delay_pacer.cpp"], PACER_CASES)
 
 
 def test_self_paced_engine_moves_every_byte_and_reports_its_pacer():

@@ -18,17 +18,8 @@ METER_CASES = ["sums_the_connections", "streaming_waits_do_not_count", "idle_con
                "late_reading_is_dropped_and_silence_capped"]
 
 
-@pytest.fixture(scope="module")
-def meter_test_binary(tmp_path_factory):
-    binary = cpp_unit.build(tmp_path_factory.mktemp("meter"), "delivery_meter_test",
-                            ["tests/cpp/delivery_meter_test.cpp", "csrc/transport/tcp/delivery_meter.cpp"])
-    assert sorted(cpp_unit.cases(binary)) == sorted(METER_CASES)  # every C++ case runs here
-    return binary
-
-
-@pytest.mark.parametrize("case", METER_CASES)
-def test_delivery_meter(meter_test_binary, case):
-    assert cpp_unit.run_case(meter_test_binary, case) == (0, f"ok {case}")
+test_delivery_meter = cpp_unit.case_test("delivery_meter_test", ["tests/cpp/delivery_meter_test.cpp",
+                                                               "csrc/transport/tcp/delivery_meter.cpp"], METER_CASES)
 
 
 def test_bulk_write_on_loopback_is_path_limited():

@@ -59,18 +59,10 @@ EMULATOR_CASES = ["state_machine", "write_chain", "bad_rkey", "out_of_range", "b
                   "teardown"]
 
 
-@pytest.fixture(scope="module")
-def emulator_test_binary(tmp_path_factory) -> Path:
-    binary = cpp_unit.build(tmp_path_factory.mktemp("emu"), "verbs_emulator_test",
-                            ["tests/cpp/verbs_emulator_test.cpp", "csrc/transport/rdma/emulator/verbs_emulator.cpp",
-                             "csrc/transport/socket.cpp", "csrc/transport/tls.cpp"], libs=("-lssl", "-lcrypto"))
-    assert sorted(cpp_unit.cases(binary)) == sorted(EMULATOR_CASES)  # every C++ case runs here
-    return binary
-
-
-@pytest.mark.parametrize("case", EMULATOR_CASES)
-def test_verbs_emulator(emulator_test_binary, case):
-    assert cpp_unit.run_case(emulator_test_binary, case) == (0, f"ok {case}")
+test_verbs_emulator = cpp_unit.case_test(
+    "verbs_emulator_test", ["tests/cpp/verbs_emulator_test.cpp", "csrc/transport/rdma/emulator/verbs_emulator.cpp",
+                            "csrc/transport/socket.cpp", "csrc/transport/tls.cpp"], EMULATOR_CASES,
+    libs=("-lssl", "-lcrypto"))
 
 
 # ---- device selection and errors -----------------------------------------------------------
