@@ -164,3 +164,8 @@ def test_stream_case_few_trials():
     cfg = handoff_cases.MODELS["embedded"]
     assert r.kv_bytes == 64 * 2 * cfg.num_layers * cfg.kv_size * 8
     assert "streamed per layer" in stream_cases.format_table(r)
+    # Both modes moved the KV, so both have a busy-time reading; no reading exceeds what the
+    # link carries (by more than the kernel's sample noise).
+    for mode in stream_cases.MODES:
+        assert 0 < r.link_readings[mode]["busy_bps"] <= 1.05 * r.rate_bps, r.link_readings
+        assert 0 <= r.link_readings[mode]["path_limited_bps"] <= 1.05 * r.rate_bps, r.link_readings

@@ -245,6 +245,9 @@ def case_stream(quick: bool, backend: str) -> CaseOutput:
     d = r.as_dict()
     rows = [Row("stream", f"KV applied at MD after prefill end, streamed per layer ({r.tokens} tokens)",
                 d["streamed_median_ms"], "posted after prefill", d["after_prefill_median_ms"], "ms")]
+    rows += [Row("stream", f"router's link reading, path-limited, {mode.replace('_', ' ')}",
+                 r.link_readings[mode]["path_limited_bps"] / 1e6, "bytes over busy time",
+                 r.link_readings[mode]["busy_bps"] / 1e6, "Mbit/s") for mode in stream_cases.MODES]
     return CaseOutput(d, stream_cases.format_table(r), rows)
 
 

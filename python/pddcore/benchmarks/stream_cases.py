@@ -14,7 +14,9 @@ Two processes share one :class:`~pddcore.testing.wan.WanLink` (needs root):
 The number per trial: MD's stamp - P's stamp right after prefill returned (both namespaces
 share CLOCK_MONOTONIC). After prefill, that is the whole transfer; streamed, only what the
 link could not move while prefill ran. The prefill time and the transfer time at line
-rate are reported beside it.
+rate are reported beside it, and per mode the link rate the router would read from P's
+engine over those trials: bytes over busy time, and the path-limited counters
+(``path_limited_bytes`` / ``path_limited_seconds``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class StreamResult:
     prefill_ms: list[float]
     streamed_ms: list[float]        # prefill end -> last layer applied at MD
     after_prefill_ms: list[float]
+    # per mode: {"busy_bps": bytes over busy time, "path_limited_bps": the path-limited
+    # counters' ratio (0: never path-limited)}, from P's engine over that mode's trials
+    link_readings: dict[str, dict[str, float]]
 
     @property
     def line_rate_ms(self) -> float:
@@ -116,6 +121,7 @@ def prefill(config_name: str, tokens: int, trials: int, info_path: str) -> dict:
     layers = model.config.num_layers
     desc = bytes.fromhex(read_info(info_path))
     stamps = {"prefill_end": {}, "prefill_s": {}, "mode": {}}
+    counted = {mode: dict.fromkeys(_LINK_COUNTERS, 0.0) for mode in MODES}
     with TransferEngine(auth_token=bench_token()) as engine:
         peer = engine.connect(desc_address(desc))
         send = None
@@ -134,6 +140,7 @@ def prefill(config_name: str, tokens: int, trials: int, info_path: str) -> dict:
                 pddcore.pack(layout, pages, layers=[layer], out=send_buf[layer * per_layer:(layer + 1) * per_layer])
                 stream.post(layer, [(send, layer * per_layer, desc, layer * per_layer, per_layer)])
 
+            before = engine.stats()["peers"][peer.address]
             start = time.monotonic()
             model.prefill([seq], [document], on_layer=post if mode == "streamed" else None)
             end = time.monotonic()
@@ -143,9 +150,22 @@ def prefill(config_name: str, tokens: int, trials: int, info_path: str) -> dict:
             stream.wait(timeout=600)
             if trial != _WARM_UP:
                 stamps["prefill_end"][trial], stamps["prefill_s"][trial], stamps["mode"][trial] = end, end - start, mode
+                after = engine.stats()["peers"][peer.address]
+                for name in _LINK_COUNTERS:
+                    counted[mode][name] += after.get(name, 0.0) - before.get(name, 0.0)
             pool.release(seq)
             time.sleep(0.2)  # the link drains between trials
+    stamps["link_readings"] = {mode: {"busy_bps": _ratio_bps(c["bytes_sent"], c["seconds_busy"]),
+                                      "path_limited_bps": _ratio_bps(c["path_limited_bytes"], c["path_limited_seconds"])}
+                               for mode, c in counted.items()}
     return stamps
+
+
+_LINK_COUNTERS = ("bytes_sent", "seconds_busy", "path_limited_bytes", "path_limited_seconds")
+
+
+def _ratio_bps(nbytes: float, seconds: float) -> float:
+    return nbytes * 8 / seconds if seconds > 0 else 0.0
 
 
 def stream_case(config_name: str = "report_kv", tokens: int = 1024, trials: int = 6, rate: str = "1gbit",
@@ -162,7 +182,8 @@ def stream_case(config_name: str = "report_kv", tokens: int = 1024, trials: int 
         ms = {mode: [(applied[t] - p["prefill_end"][t]) * 1e3 for t in range(trials) if p["mode"][t] == mode]
               for mode in MODES}
         return StreamResult(config_name, tokens, kv_bytes, link.rate_bps, 2 * delay_ms,
-                            [p["prefill_s"][t] * 1e3 for t in range(trials)], ms["streamed"], ms["after_prefill"])
+                            [p["prefill_s"][t] * 1e3 for t in range(trials)], ms["streamed"], ms["after_prefill"],
+                            p["link_readings"])
 
 
 def format_table(r: StreamResult) -> str:
@@ -174,4 +195,8 @@ def format_table(r: StreamResult) -> str:
         f"  streamed per layer : {d['streamed_median_ms']:8.1f} ms",
         f"  after prefill      : {d['after_prefill_median_ms']:8.1f} ms",
         f"  line-rate floor    : {r.line_rate_ms:8.1f} ms (the KV at the link's rate + one-way delay)",
+        "The link's rate as P's engine reads it over those trials (the router's input), Mbit/s:",
+        *(f"  {mode.replace('_', ' '):<18}: {r.link_readings[mode]['path_limited_bps'] / 1e6:8.1f} path-limited, "
+          f"{r.link_readings[mode]['busy_bps'] / 1e6:8.1f} bytes over busy time, line {r.rate_bps / 1e6:g}"
+          for mode in MODES),
     ])
