@@ -4,6 +4,9 @@ root) the emulated WAN into MD's pool."""
 
 from __future__ import annotations
 
+import os
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -102,10 +105,27 @@ def test_non_contiguous_input_and_output():
     assert same_bits(out, x.t())
 
 
-def test_split_planes_matches_a_loop():
-    raw = np.random.default_rng(1).integers(0, 256, 4 * 11, dtype=np.uint8)
-    expected = np.array([[raw[i * 4 + b] for i in range(11)] for b in range(4)], dtype=np.uint8)
-    assert np.array_equal(lossless.split_planes(raw, 4), expected)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_segments_hold_byte_planes_in_plane_major_order(threads):
+    """The wire layout, read without the decoder: segment k of plane b holds byte b of
+    elements [k * S, (k + 1) * S), planes in memory order, each expanded with the library."""
+    import zstandard
+
+    x = make_content("low_entropy", torch.float32, (11, 7), 1)  # 77 elements, 4 planes
+    raw = x.numpy().tobytes()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lossless, "SEGMENT_BYTES", 20)  # 4 segments per plane, the last one short
+        frame = codec.get("zstd", threads=threads).encode(x)
+    header = FrameHeader.parse(frame)
+    entries = list(struct.iter_unpack("<BQ", header.meta[8:]))
+    body, offset, got = frame[header.header_len:], 0, []
+    for method, length in entries:
+        piece = body[offset:offset + length]
+        got.append(piece if method == 0 else zstandard.ZstdDecompressor().decompress(piece, max_output_size=20))
+        offset += length
+    expected = [bytes(raw[i * 4 + b] for i in range(start, min(start + 20, 77)))
+                for b in range(4) for start in range(0, 77, 20)]
+    assert got == expected
 
 
 def test_incompressible_planes_are_stored_not_inflated():
@@ -288,6 +308,42 @@ def test_a_codec_refuses_another_codecs_frame():
         codec.get("zstd").decode(frame)
 
 
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(LOSSLESS), dtype=st.sampled_from(FLOATS), rows=st.integers(0, 300),
+       kind=st.sampled_from(["random", "low_entropy", "specials"]), threads=st.integers(2, 5),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_threads_write_the_same_frame_and_read_it_back(name, dtype, rows, kind, threads, seed):
+    x = make_content(kind, dtype, (rows, 64), seed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lossless, "SEGMENT_BYTES", 1000)  # many segments per plane for the threads
+        frame = codec.get(name).encode(x)
+        assert codec.get(name, threads=threads).encode(x) == frame
+    out = torch.empty_like(x)
+    assert codec.get(name, threads=threads).decode(frame, out=out) is out
+    assert same_bits(out, x)
+
+
+def test_threaded_decode_of_a_damaged_segment_raises_and_leaves_out_untouched():
+    x = make_content("low_entropy", torch.bfloat16, (4096, 64), 7)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lossless, "SEGMENT_BYTES", 4096)
+        frame = bytearray(codec.get("zstd").encode(x))
+    frame[-100] ^= 0xFF  # inside the last segment of the body
+    out = torch.zeros_like(x)
+    with pytest.raises(CodecError, match="corrupted frame"):
+        codec.get("zstd", threads=3).decode(frame, out=out)
+    assert not out.view(torch.uint8).any()
+
+
+def test_threads_argument_is_checked():
+    assert codec.get("zstd", threads=3) is codec.get("zstd", threads=3)  # one pool per thread count
+    assert codec.get("zstd", threads=3).threads == 3 and codec.get("zstd").threads == 1
+    with pytest.raises(ValueError, match="threads must be an int >= 1"):
+        codec.get("lz4", threads=0)
+    with pytest.raises(ValueError, match="threads=1 only"):
+        codec.get("fp8", threads=2)
+
+
 def test_registry():
     assert set(codec.available()) == {"none", "zstd", "lz4", "fp8"}
     assert all(codec.get(n).name == n for n in codec.available())
@@ -464,11 +520,13 @@ def test_bench_measure_reports_the_frames_it_made():
 
     kv = make_content("low_entropy", torch.bfloat16, (12, 64), 8)
     points = codec_cases.measure("test", kv, repeats=1)
-    assert {p.codec for p in points} == set(codec_cases.CODECS) | {codec_cases.INTERLEAVED}
+    cpus = len(os.sched_getaffinity(0))
+    threaded = {codec_cases.threaded_name(cpus)} if cpus > 1 else set()
+    assert {p.codec for p in points} == set(codec_cases.CODECS) | {codec_cases.INTERLEAVED} | threaded
     for p in points:
         assert p.raw_bytes == kv.numel() * 2 and p.encode_gbps > 0 and p.decode_gbps > 0 and p.memcpy_gbps > 0
-        if p.codec in codec_cases.CODECS:
-            assert p.frame_bytes == len(codec.get(p.codec).encode(kv))
+        if p.codec in codec_cases.CODECS or p.codec in threaded:  # threads write zstd's frame
+            assert p.frame_bytes == len(codec.get(p.codec.split(",")[0]).encode(kv))
 
 
 def test_bench_checkpoint_kv_is_measured_when_a_folder_is_named(tmp_path, monkeypatch):

@@ -195,9 +195,12 @@ def test_malformed_handoff_is_rejected_and_resent():
     """The first handoff arrives malformed: MD rejects it, RLD re-sends, and every request
     still completes with exact outputs."""
     # A long first answer: RLD is still decoding it when MD is ready, however loaded the machine.
+    # A TTFT SLO no transfer meets: the first request goes P -> RLD -> MD whatever the link
+    # estimate reads (no borderline route), so there is a handoff to corrupt.
     scenario = agentic_trace(2, **{**SCENARIO, "first_output_tokens": 384})
     with Network(**LINK) as net:
-        result = run_demo(scenario, net, modes=("pdd",), overrides={"pdd": {"corrupt_handoffs": 1}})
+        result = run_demo(scenario, net, modes=("pdd",),
+                          overrides={"pdd": {"corrupt_handoffs": 1, "ttft_slo_s": 0.01}})
     handoffs = result["metrics"]["pdd"]["handoffs"]
     counts = result["runs"]["pdd"]["summary"]["counts"]
     assert handoffs["one_shot"] + handoffs["catch_up"] >= 1, counts
@@ -206,12 +209,15 @@ def test_malformed_handoff_is_rejected_and_resent():
 
 
 def test_md_killed_mid_run():
-    """MD dies mid-run: requests it owned are resumed on RLD, the others stay there, and
-    every output is still exact."""
-    # Follow-up answers long enough that MD is still streaming one when it is killed.
+    """MD dies mid-run: the requests it owned are resumed on RLD from the tokens the client
+    already has, and every output is still exact."""
+    # Follow-up answers long enough that MD is still streaming one when it is killed. A TTFT
+    # SLO every transfer meets: every request goes P -> MD whatever the link estimate reads
+    # (no borderline route), so MD streams tokens to be killed in.
     scenario = agentic_trace(4, **{**SCENARIO, "output_tokens": 160})
     with Network(**LINK) as net:
-        result = run_demo(scenario, net, modes=("pdd",), overrides={"pdd": {"kill_md_after_tokens": 10}})
+        result = run_demo(scenario, net, modes=("pdd",),
+                          overrides={"pdd": {"kill_md_after_tokens": 10, "ttft_slo_s": 30.0}})
     metrics = result["metrics"]["pdd"]
     counts = result["runs"]["pdd"]["summary"]["counts"]
     assert metrics["md_killed"], counts
@@ -228,8 +234,9 @@ def test_md_killed_mid_run():
 def test_md_transfer_timeout_stays_on_rld():
     """A P->MD transfer that outlives its deadline is cancelled; the request stays on RLD."""
     scenario = agentic_trace(2, **{**SCENARIO, "turns": 2})
-    with Network(**LINK) as net:
-        result = run_demo(scenario, net, modes=("pdd",), overrides={"pdd": {"md_transfer_timeout_s": 0.2}})
+    with Network(**LINK) as net:  # the SLO no transfer meets: the first request goes P -> RLD -> MD
+        result = run_demo(scenario, net, modes=("pdd",),
+                          overrides={"pdd": {"md_transfer_timeout_s": 0.2, "ttft_slo_s": 0.01}})
     counts = result["runs"]["pdd"]["summary"]["counts"]
     assert counts.get("md_transfer_timeout", 0) >= 1, counts
     assert counts.get("stayed_on_rld_after_md_timeout", 0) >= 1, counts

@@ -18,6 +18,9 @@ mantissa noise). The frame's meta lists ``segment_bytes`` and, per segment, plan
 Codecs: ``"zstd"`` (zstandard level 1, the default lossless codec), ``"lz4"`` (LZ4 block),
 ``"none"`` (no split, stored: the frame and its CRC around the raw bytes).
 
+Segments are independent, so ``codec.get("zstd", threads=4)`` compresses and expands them
+on four threads (both libraries release the GIL); the frame is the same byte for byte.
+
 Example::
 
     import torch
@@ -33,7 +36,8 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
 
 import lz4.block
 import numpy as np
@@ -43,7 +47,7 @@ import zstandard
 from .base import Codec
 from .frame import CodecError, FrameHeader, crc32c_of, element_size, read_source, tensor_of, write_out
 
-__all__ = ["BytePlaneCodec", "split_planes", "SEGMENT_BYTES"]
+__all__ = ["BytePlaneCodec", "SEGMENT_BYTES"]
 
 SEGMENT_BYTES = 4 << 20
 MIN_GAIN_DIVISOR = 16
@@ -51,11 +55,6 @@ _SAMPLES, _SAMPLE_BYTES = 4, 16 << 10
 _STORED, _COMPRESSED = 0, 1
 _ENTRY = struct.Struct("<BQ")
 _SEGMENT_SIZE = struct.Struct("<Q")
-
-
-def split_planes(raw: np.ndarray, element_bytes: int) -> np.ndarray:
-    """``[n * element_bytes]`` uint8 -> ``[element_bytes, n]``: row ``b`` is byte ``b`` of each element."""
-    return raw.reshape(-1, element_bytes).T.copy()
 
 
 class _Zstd:
@@ -90,38 +89,68 @@ class _Lz4:
 
 
 class BytePlaneCodec(Codec):
-    """Byte planes + ``compressor`` (None: no split, every segment stored)."""
+    """Byte planes + ``compressor`` (None: no split, every segment stored), its segments
+    coded on ``threads`` threads."""
 
     lossless = True
 
-    def __init__(self, name: str, codec_id: int, compressor: _Zstd | _Lz4 | None):
+    def __init__(self, name: str, codec_id: int, compressor: _Zstd | _Lz4 | None, threads: int = 1):
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         self.name = name
         self.codec_id = codec_id
+        self.threads = threads
         self._compressor = compressor
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._variants: dict[int, BytePlaneCodec] = {threads: self}
+
+    def with_threads(self, threads: int) -> "BytePlaneCodec":
+        """The same codec coding its segments on ``threads`` threads (one instance, and one
+        thread pool, per thread count)."""
+        with self._pool_lock:
+            if threads not in self._variants:
+                self._variants[threads] = BytePlaneCodec(self.name, self.codec_id, self._compressor, threads)
+            return self._variants[threads]
+
+    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(x) for x in items]``, on the codec's threads when it has several."""
+        if self.threads == 1 or len(items) < 2:
+            return [fn(x) for x in items]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"pddcore-{self.name}")
+        return list(self._pool.map(fn, items))
 
     def _plane_count(self, dtype: torch.dtype) -> int:
         return element_size(dtype) if self._compressor is not None else 1
 
     def encode(self, data: Any) -> bytes:
         src = read_source(data)
-        planes = src.raw.reshape(1, -1) if self._plane_count(src.dtype) == 1 else \
-            split_planes(src.raw, element_size(src.dtype))
-        entries, pieces = [], []
-        for plane in planes:
-            try_it = self._worth_compressing(plane)
-            for start in range(0, plane.size, SEGMENT_BYTES):
-                segment = plane[start:start + SEGMENT_BYTES]
-                packed = self._compressor.compress(segment) if try_it else None
-                if packed is None or len(packed) >= segment.size:
-                    entries.append((_STORED, segment.size))
-                    pieces.append(segment)
-                else:
-                    entries.append((_COMPRESSED, len(packed)))
-                    pieces.append(packed)
+        num_planes = self._plane_count(src.dtype)
+        elements = src.raw.reshape(-1, num_planes)  # column b: byte b of every element (a plane)
+        try_planes = [self._worth_compressing(elements[:, b]) for b in range(num_planes)]
+        ranges = [(start, min(start + SEGMENT_BYTES, len(elements))) for start in range(0, len(elements), SEGMENT_BYTES)]
+
+        def code(span: tuple[int, int]) -> list[tuple[int, Any]]:
+            # One element range of every plane: splitting it is part of the job a thread takes.
+            planes = np.ascontiguousarray(elements[span[0]:span[1]].T)
+            return [self._pack(plane, try_it) for plane, try_it in zip(planes, try_planes)]
+
+        coded = self._map(code, ranges)
+        segments = [coded[k][b] for b in range(num_planes) for k in range(len(ranges))]  # plane-major
+        entries = [(method, len(piece) if method == _COMPRESSED else piece.size) for method, piece in segments]
         meta = _SEGMENT_SIZE.pack(SEGMENT_BYTES) + b"".join(_ENTRY.pack(*e) for e in entries)
         body_len = sum(length for _, length in entries)
         header = FrameHeader(self.codec_id, src.dtype, src.shape, meta, body_len, crc32c_of(src.raw))
-        return b"".join([header.to_bytes(), *pieces])
+        return b"".join([header.to_bytes(), *(piece for _, piece in segments)])
+
+    def _pack(self, segment: np.ndarray, try_it: bool) -> tuple[int, Any]:
+        """``(method, bytes)`` of one segment: compressed, or stored when that is not smaller."""
+        compressed = self._compressor.compress(segment) if try_it else None
+        if compressed is None or len(compressed) >= segment.size:
+            return _STORED, segment
+        return _COMPRESSED, compressed
 
     def _worth_compressing(self, plane: np.ndarray) -> bool:
         if self._compressor is None:
@@ -139,14 +168,17 @@ class BytePlaneCodec(Codec):
         per_plane = len(entries) // num_planes
         # Each segment lands straight in its byte column: merging the planes costs no extra pass.
         columns = np.empty((plane_bytes, num_planes), dtype=np.uint8)
-        offset = 0
-        for i, (method, length) in enumerate(entries):
+        offsets = np.cumsum([0] + [length for _, length in entries]).tolist()
+
+        def expand(i: int) -> None:
+            method, length = entries[i]
             plane, index = divmod(i, per_plane)
             start = index * segment_bytes
             size = min(segment_bytes, plane_bytes - start)
-            segment = self._expand(method, body[offset:offset + length], size)
+            segment = self._expand(method, body[offsets[i]:offsets[i] + length], size)
             columns[start:start + size, plane] = np.frombuffer(segment, dtype=np.uint8)
-            offset += length
+
+        self._map(expand, range(len(entries)))
         merged = columns.reshape(-1)
         if crc32c_of(merged) != header.content_crc:
             raise CodecError("corrupted frame: the decoded bytes fail their CRC32C")

@@ -27,12 +27,19 @@ def available() -> list[str]:
     return list(_CODECS)
 
 
-def get(name: str) -> Codec:
-    """The codec called ``name`` (see :func:`available`); ValueError for an unknown name."""
+def get(name: str, threads: int = 1) -> Codec:
+    """The codec called ``name`` (see :func:`available`); ValueError for an unknown name.
+    ``threads``: the lossless codecs code their segments on that many threads (the frame
+    does not change); ``fp8`` runs on torch's own threads and takes only 1."""
     try:
-        return _CODECS[name]
+        found = _CODECS[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown codec {name!r}; available: {', '.join(_CODECS)}") from None
+    if isinstance(found, BytePlaneCodec):
+        return found.with_threads(threads)
+    if threads != 1:
+        raise ValueError(f"codec {name!r} takes threads=1 only (torch parallelizes it), got {threads!r}")
+    return found
 
 
 def decode(frame: bytes | bytearray | memoryview, out: torch.Tensor | None = None) -> torch.Tensor:
