@@ -17,8 +17,8 @@ void DeliveryMeter::observe(const std::vector<std::pair<uint32_t, PathSample>>& 
   for (const auto& [index, sample] : samples) {
     auto [it, first_seen] = connections_.try_emplace(index);
     Connection& c = it->second;
-    // A reconnected stream starts counting at 0 again: a new baseline, not a delivery.
     if (!first_seen && sample.bytes_acked > c.bytes_acked) c.advanced_ns = now_ns;
+    // A reconnected stream starts counting at 0 again: a new baseline, not a delivery.
     const bool restarted = sample.bytes_acked < c.bytes_acked;
     c.bytes_acked = sample.bytes_acked;
     if (first_seen || restarted) continue;
