@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -170,7 +171,7 @@ class BytePlaneCodec(Codec):
         per_plane = len(entries) // num_planes
         # Each segment lands straight in its byte column: merging the planes costs no extra pass.
         columns = np.empty((plane_bytes, num_planes), dtype=np.uint8)
-        offsets = np.cumsum([0] + [length for _, length in entries]).tolist()
+        offsets = list(itertools.accumulate((length for _, length in entries), initial=0))
 
         def expand(i: int) -> None:
             method, length = entries[i]

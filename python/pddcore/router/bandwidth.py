@@ -38,8 +38,9 @@ class _PeerState:
     counters: tuple[float, float] | None = None  # (bytes, busy seconds) at the last used snapshot
 
 
-# Key names accepted in TransferEngine.stats() per-peer entries, first match wins.
+# The TCP backend's path-limited counters: preferred over any bytes / seconds pair below.
 _PATH_LIMITED_BYTES, _PATH_LIMITED_SECONDS = "path_limited_bytes", "path_limited_seconds"
+# Key names accepted in TransferEngine.stats() per-peer entries, first match wins.
 _STATS_BYTES = ("bytes_sent", "bytes", "tx_bytes", "bytes_acked", "bytes_written")
 _STATS_SECONDS = ("seconds_busy", "busy_s", "active_s", "busy_seconds", "elapsed_s", "seconds")
 _STATS_RATE = ("throughput_bytes_per_s", "bytes_per_s", "throughput_Bps")
