@@ -262,7 +262,7 @@ class TransferEngine:
     """Registered memory, peers, verified one-sided writes and priority messages.
 
     Args:
-        backend: data path; ``"tcp"`` (chunked, multi-stream).
+        backend: data path; ``"tcp"`` (chunked, multi-stream) or ``"rdma"`` (ibverbs RC; see the module docstring).
         listen: ``"host:port"`` to listen on (port 0: any free port); see :attr:`address`.
         streams: parallel data connections per peer.
         chunk_bytes: largest chunk on the wire (each has its own header, CRC and ack).
