@@ -17,6 +17,8 @@ import time
 import pytest
 import torch
 
+import cpp_unit
+
 from pddcore import _C
 from pddcore.transfer import RegionDescriptor, TransferEngine, TransferError
 
@@ -191,8 +193,71 @@ def test_message_flood_is_held_back_not_dropped():
 
 
 _CONTROL = struct.Struct("<IBBHII")  # magic, type, 0, 0, length, payload CRC
-CONTROL_MAGIC, FENCE, FENCE_ACK = 0x4D444450, 7, 8
+CONTROL_MAGIC, FENCE, FENCE_ACK, FENCE_BUSY = 0x4D444450, 7, 8, 9
 FENCED = 7  # ack status of a chunk of a fenced (cancelled) transfer
+
+
+def wait_until(condition) -> None:
+    """Polls ``condition`` until true (or fails after a minute: a hang, not a speed limit)."""
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def control_frame(kind: int, payload: bytes) -> bytes:
+    return _CONTROL.pack(CONTROL_MAGIC, kind, 0, 0, len(payload), _C.crc32c(payload)) + payload
+
+
+def fence_reply(control: socket.socket, tag: int) -> int:
+    """Sends a fence for ``tag`` and returns the reply's type (FENCE_ACK or FENCE_BUSY)."""
+    control.sendall(control_frame(FENCE, struct.pack("<I", tag)))
+    magic, kind, _, _, length, _ = _CONTROL.unpack(_recv_exact(control, _CONTROL.size))
+    assert (magic, _recv_exact(control, length)) == (CONTROL_MAGIC, struct.pack("<I", tag))
+    return kind
+
+
+class ThrottledProxy:
+    """A TCP proxy on loopback that forwards what clients send at ``rate`` bytes per second
+    (each connection on its own) until release(), and the answers at once: a path on which
+    one chunk takes seconds to arrive."""
+
+    def __init__(self, target: str, rate: int):
+        self.target, self.piece = target, 4096
+        self.pause = self.piece / rate
+        self.released = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        host, port = self.target.rsplit(":", 1)
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection((host, int(port)))
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, throttled: bool) -> None:
+        try:
+            while data := source.recv(self.piece):
+                sink.sendall(data)
+                if throttled and not self.released.is_set():
+                    self.released.wait(self.pause)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.released.set()
+        self.listener.close()
 
 
 def test_receiver_drops_chunks_of_a_fenced_transfer():
@@ -204,10 +269,7 @@ def test_receiver_drops_chunks_of_a_fenced_transfer():
         region = engine.register(buf, target=True)
         with python_handshake(engine.address, TOKEN, kind=0) as control, \
                 python_handshake(engine.address, TOKEN, kind=1) as data:
-            tag = struct.pack("<I", 5)
-            control.sendall(_CONTROL.pack(CONTROL_MAGIC, FENCE, 0, 0, 4, _C.crc32c(tag)) + tag)
-            magic, kind, _, _, length, _ = _CONTROL.unpack(_recv_exact(control, _CONTROL.size))
-            assert (magic, kind, _recv_exact(control, length)) == (CONTROL_MAGIC, FENCE_ACK, tag)
+            assert fence_reply(control, 5) == FENCE_ACK
             data.sendall(chunk_frame(1, region.id, 0, b"s" * 64, tag=5))
             assert _ACK.unpack(_recv_exact(data, _ACK.size))[1] == FENCED
             assert bytes(buf[:64]) == b"\0" * 64
@@ -216,6 +278,105 @@ def test_receiver_drops_chunks_of_a_fenced_transfer():
             assert bytes(buf[:64]) == b"n" * 64
     finally:
         engine.close()
+
+
+test_transfer_tags = cpp_unit.case_test("transfer_tags_test", ["tests/cpp/transfer_tags_test.cpp"],
+                                        ["distinct_tags", "neighbours_look_random", "keys_decide_every_tag"])
+
+
+def test_fence_is_not_confirmed_while_a_chunk_of_it_is_still_being_written():
+    """Wire level, a receiver with a 1 s timeout: a chunk of tag 9 arrives slowly (its first
+    bytes are already in the destination). A fence for tag 9 is answered busy, not confirmed,
+    for as long as the chunk is being written; once the chunk is done, the fence is confirmed
+    and a later chunk of tag 9 is dropped."""
+    with TransferEngine(auth_token=TOKEN, timeout_s=1.0) as engine:
+        buf = bytearray(64 << 10)
+        region = engine.register(buf, target=True)
+        payload = b"\xa5" * len(buf)
+        frame = chunk_frame(1, region.id, 0, payload, tag=9)
+        with python_handshake(engine.address, TOKEN, kind=0) as control, \
+                python_handshake(engine.address, TOKEN, kind=1) as data:
+            head = len(frame) - len(payload)
+            data.sendall(frame[:head + 256])
+            wait_until(lambda: buf[255] == 0xA5)  # the receiver is writing the chunk into the destination
+            replied, sent = threading.Event(), [head + 256]
+
+            def trickle():  # keeps every receive within the receiver's timeout
+                while not replied.wait(0.1):
+                    data.sendall(frame[sent[0]:sent[0] + 256])
+                    sent[0] += 256
+
+            trickler = threading.Thread(target=trickle)
+            trickler.start()
+            try:
+                assert fence_reply(control, 9) == FENCE_BUSY
+            finally:
+                replied.set()
+                trickler.join()
+            data.sendall(frame[sent[0]:])
+            assert _ACK.unpack(_recv_exact(data, _ACK.size))[1] == 0  # begun before the fence: written whole
+            assert bytes(buf) == payload
+            assert fence_reply(control, 9) == FENCE_ACK
+            data.sendall(chunk_frame(2, region.id, 0, b"n" * 64, tag=9))
+            assert _ACK.unpack(_recv_exact(data, _ACK.size))[1] == FENCED
+            assert bytes(buf) == payload
+
+
+def test_cancel_waits_out_a_slow_chunk_when_the_receiver_times_out_first():
+    """Real engines through a throttled path: one 256 KiB chunk takes about 2 s, and the
+    receiver's timeout_s (0.5 s) is shorter than the sender's (30 s). The receiver answers
+    busy until the chunk is written, so cancel() returns only once no byte can land: the
+    destination, zeroed right after, stays zero. A later write on the same stream (so behind
+    everything the cancelled transfer sent) shows nothing more arrived."""
+    chunk = 256 << 10
+    with TransferEngine(auth_token=TOKEN, timeout_s=0.5) as receiver, \
+            TransferEngine(auth_token=TOKEN, streams=1, chunk_bytes=chunk, timeout_s=30) as sender:
+        proxy = ThrottledProxy(receiver.address, rate=128 << 10)
+        try:
+            dst = torch.zeros(4 * chunk, dtype=torch.uint8)
+            region = receiver.register(dst, target=True)
+            src = sender.register(torch.full((4 * chunk,), 0xAB, dtype=torch.uint8))
+            peer = sender.connect(proxy.address)
+            t = sender.write(peer, src, 0, region.descriptor(), 0, 4 * chunk)
+            wait_until(lambda: int(dst[:chunk].count_nonzero()) > 0)  # the first chunk is being written
+            t.cancel()
+            assert t.status == "cancelled"
+            dst.zero_()  # reuse at once
+            proxy.released.set()
+            sender.write(peer, src, 0, region.descriptor(), 3 * chunk, 4096).wait(timeout=60)
+            assert int(dst[:3 * chunk].count_nonzero()) == 0
+            assert int(dst[3 * chunk + 4096:].count_nonzero()) == 0
+        finally:
+            proxy.close()
+
+
+def test_an_unconfirmed_cancel_keeps_the_destination_quarantined():
+    """The chunk outlasts the sender's timeout too: cancel() raises, and writes through that
+    peer into the cancelled transfer's destination are refused (elsewhere they go on) until a
+    retried cancel() is confirmed, which it is once the chunk has landed."""
+    chunk = 256 << 10
+    with TransferEngine(auth_token=TOKEN, timeout_s=0.3) as receiver, \
+            TransferEngine(auth_token=TOKEN, streams=1, chunk_bytes=chunk, timeout_s=1.0) as sender:
+        proxy = ThrottledProxy(receiver.address, rate=64 << 10)
+        try:
+            dst = torch.zeros(2 * chunk, dtype=torch.uint8)
+            region = receiver.register(dst, target=True)
+            src = sender.register(torch.full((2 * chunk,), 0xAB, dtype=torch.uint8))
+            peer = sender.connect(proxy.address)
+            t = sender.write(peer, src, 0, region.descriptor(), 0, chunk)
+            wait_until(lambda: int(dst[:chunk].count_nonzero()) > 0)
+            with pytest.raises(TransferError, match="stay quarantined"):
+                t.cancel()
+            with pytest.raises(TransferError, match="quarantined"):
+                sender.write(peer, src, 0, region.descriptor(), chunk - 1, 2)
+            proxy.released.set()
+            elsewhere = sender.write(peer, src, 0, region.descriptor(), chunk, 4096)
+            t.cancel()  # the chunk is written by now, or soon: confirmed
+            elsewhere.wait(timeout=60)
+            sender.write(peer, src, 0, region.descriptor(), 0, chunk).wait(timeout=60)
+            assert int(dst[:chunk + 4096].eq(0xAB).sum()) == chunk + 4096
+        finally:
+            proxy.close()
 
 
 def test_cancel_then_immediate_reuse_sees_no_stale_byte():

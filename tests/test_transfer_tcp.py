@@ -399,7 +399,7 @@ _RESULT = struct.Struct("<B32s96s")
 _CHUNK = struct.Struct("<IHHQQQIII")  # ... length, payload CRC, transfer tag; then the header CRC
 _ACK = struct.Struct("<IBBHQ")
 HELLO_MAGIC, CHUNK_MAGIC, ACK_MAGIC = 0x48444450, 0x43444450, 0x41444450
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

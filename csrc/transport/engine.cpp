@@ -7,9 +7,21 @@
 #include "device_memory.h"
 
 namespace pddcore::transfer {
+namespace {
+
+TransferTags random_transfer_tags() {
+  uint64_t keys[4];
+  random_bytes(keys, sizeof(keys));
+  return TransferTags(keys);
+}
+
+}  // namespace
 
 Engine::Engine(EngineOptions options)
-    : options_(std::move(options)), inbox_(options_.max_inbox_bytes), rate_limiter_(options_.rate_limit_bps) {
+    : options_(std::move(options)),
+      inbox_(options_.max_inbox_bytes),
+      rate_limiter_(options_.rate_limit_bps),
+      tags_(random_transfer_tags()) {
   if (options_.streams == 0 || options_.streams > 64) throw std::invalid_argument("streams must be in [1, 64]");
   if (options_.chunk_bytes == 0 || options_.chunk_bytes > wire::kMaxChunkBytes)
     throw std::invalid_argument("chunk_bytes must be in [1, " + std::to_string(wire::kMaxChunkBytes) + "]");

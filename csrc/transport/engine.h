@@ -32,6 +32,7 @@
 #include "region_registry.h"
 #include "socket.h"
 #include "tls.h"
+#include "transfer_tags.h"
 
 namespace pddcore::transfer {
 
@@ -58,7 +59,9 @@ struct Peer {
   std::condition_variable reply_cv;
   uint64_t region_lists_received = 0;  // under reply_mutex
   std::vector<wire::RegionEntry> region_list;
-  std::set<uint32_t> fences_confirmed;  // transfer tags the peer fenced; under reply_mutex
+  // The peer's answer to our last fence of each transfer tag: true confirmed, false busy (a
+  // chunk of it was still being written); under reply_mutex, taken by cancel().
+  std::map<uint32_t, bool> fence_replies;
 
   std::atomic<uint64_t> bytes_sent{0}, chunks_sent{0}, retries{0}, transfers_done{0}, transfers_failed{0};
   std::atomic<int64_t> rtt_ns{0};
@@ -100,8 +103,11 @@ class Engine final : public BackendHost {
   TransferPtr write_batch(const PeerPtr& peer, const std::vector<WriteOp>& ops, std::optional<std::string> notify);
   // Stops the transfer, then returns once the peer confirmed that none of its chunks will be
   // written any more (a fence), so the destination can be reused at once; on a failed
-  // transfer, only the fence. Throws TransferError when the peer does not confirm within
-  // timeout_s. No-op once done.
+  // transfer, only the fence. The peer confirms only once no chunk of it is being written
+  // (it answers busy meanwhile, and is asked again). Throws TransferError when the peer does
+  // not confirm within timeout_s: the destination ranges then stay quarantined (write_batch
+  // refuses to write into them) until a later cancel() of the transfer is confirmed.
+  // No-op once done.
   void cancel(const TransferPtr& transfer);
   // A priority-lane message: written at once on the peer's control connection.
   void send(const PeerPtr& peer, const std::string& message);
@@ -155,6 +161,11 @@ class Engine final : public BackendHost {
                        PeerPtr peer = nullptr);
   void complete_transfer(ActiveTransfer active);
   PeerPtr find_peer(uint64_t peer_key) const;
+  // Asks the peer to fence the transfer until it confirms or deadline_ns passes; true: confirmed.
+  bool fence(Peer& peer, const TransferState& transfer, int64_t deadline_ns);
+  // Throws TransferError when a write of `peer_key` into `range` would overlap a quarantined
+  // transfer's destination; under transfers_mutex_.
+  void check_not_quarantined(uint64_t peer_key, const DestinationRange& range) const;
 
   EngineOptions options_;
   HandshakeConfig handshake_;
@@ -180,6 +191,10 @@ class Engine final : public BackendHost {
   mutable std::mutex transfers_mutex_;
   std::unordered_map<uint64_t, ActiveTransfer> active_;
   uint64_t next_transfer_id_ = 1;
+  const TransferTags tags_;
+  // Transfers being cancelled, or whose cancel the peer did not confirm: bytes of them may
+  // still land, so no new write may target their destination ranges.
+  std::unordered_map<uint64_t, TransferPtr> quarantined_;
 
   std::mutex watchdog_mutex_;
   std::condition_variable watchdog_wake_;  // notified on close

@@ -27,9 +27,11 @@ void Engine::serve_control(const Socket& s, const std::string& from, uint64_t fr
         break;
       case wire::ControlType::kFence:
         if (body.size() != sizeof(uint32_t)) throw TransferError("malformed fence");
-        fences_.install(from_engine_id, wire::Reader(reinterpret_cast<const uint8_t*>(body.data())).get<uint32_t>(),
-                        options_.timeout_s);
-        reply_type = wire::ControlType::kFenceAck;
+        reply_type = fences_.install(from_engine_id,
+                                     wire::Reader(reinterpret_cast<const uint8_t*>(body.data())).get<uint32_t>(),
+                                     options_.timeout_s)
+                         ? wire::ControlType::kFenceAck
+                         : wire::ControlType::kFenceBusy;
         reply_body = std::move(body);
         break;
       case wire::ControlType::kRegionQuery:
@@ -69,9 +71,10 @@ void Engine::read_control_replies(const PeerPtr& peer) {
         }
         ++peer->region_lists_received;
         peer->reply_cv.notify_all();
-      } else if (type == wire::ControlType::kFenceAck && payload.size() == sizeof(uint32_t)) {
+      } else if ((type == wire::ControlType::kFenceAck || type == wire::ControlType::kFenceBusy) &&
+                 payload.size() == sizeof(uint32_t)) {
         std::lock_guard<std::mutex> lock(peer->reply_mutex);
-        peer->fences_confirmed.insert(wire::Reader(bytes).get<uint32_t>());
+        peer->fence_replies[wire::Reader(bytes).get<uint32_t>()] = type == wire::ControlType::kFenceAck;
         peer->reply_cv.notify_all();
       }
     }

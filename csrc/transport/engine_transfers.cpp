@@ -16,6 +16,7 @@ TransferPtr Engine::write_batch(const PeerPtr& peer, const std::vector<WriteOp>&
   if (!peer->alive) throw TransferError("peer " + peer->info.address + " is disconnected: " + peer->lost_reason);
   std::vector<WriteChunk> chunks;
   std::vector<uint64_t> sources;
+  std::vector<DestinationRange> destinations;
   uint64_t total = 0;
   for (const WriteOp& op : ops) {
     RegionPtr src = find_region(op.src_region);
@@ -26,6 +27,7 @@ TransferPtr Engine::write_batch(const PeerPtr& peer, const std::vector<WriteOp>&
                                   ") is outside region " + std::to_string(src->id) + " of " +
                                   std::to_string(src->size) + " bytes");
     sources.push_back(src->id);
+    destinations.push_back({op.dst_region, op.dst_offset, op.nbytes});
     for (uint64_t done = 0; done < op.nbytes;) {
       const uint32_t len = static_cast<uint32_t>(std::min<uint64_t>(options_.chunk_bytes, op.nbytes - done));
       WriteChunk c;
@@ -43,7 +45,10 @@ TransferPtr Engine::write_batch(const PeerPtr& peer, const std::vector<WriteOp>&
   TransferPtr transfer;
   {
     std::lock_guard<std::mutex> lock(transfers_mutex_);
-    transfer = std::make_shared<TransferState>(next_transfer_id_++, peer->info.key, total);
+    for (const DestinationRange& range : destinations) check_not_quarantined(peer->info.key, range);
+    const uint64_t id = next_transfer_id_++;
+    transfer = std::make_shared<TransferState>(id, tags_.tag(static_cast<uint32_t>(id)), peer->info.key, total,
+                                               std::move(destinations));
     active_.emplace(transfer->id,
                     ActiveTransfer{transfer, peer, std::move(notify), std::move(sources),
                                    std::vector<bool>(chunks.size(), false)});
@@ -107,24 +112,63 @@ void Engine::transfer_failed(const TransferPtr& transfer, const std::string& why
   finish_transfer(transfer, TransferStatus::kFailed, why);
 }
 
+void Engine::check_not_quarantined(uint64_t peer_key, const DestinationRange& range) const {
+  for (const auto& [id, quarantined] : quarantined_) {
+    if (quarantined->peer_key != peer_key) continue;
+    for (const DestinationRange& held : quarantined->destinations)
+      if (held.region == range.region && held.offset < range.offset + range.nbytes &&
+          range.offset < held.offset + held.nbytes)
+        throw TransferError("destination region " + std::to_string(range.region) + " [" +
+                            std::to_string(range.offset) + ", +" + std::to_string(range.nbytes) +
+                            ") is quarantined: bytes of cancelled transfer " + std::to_string(id) +
+                            " may still land there until a cancel() of it is confirmed");
+  }
+}
+
 void Engine::cancel(const TransferPtr& transfer) {
   const PeerPtr peer = find_peer(transfer->peer_key);
+  {
+    std::lock_guard<std::mutex> lock(transfers_mutex_);
+    quarantined_.emplace(transfer->id, transfer);
+  }
   finish_transfer(transfer, TransferStatus::kCancelled, "cancelled");
   // A failed transfer is fenced too: its chunks on the wire must not land in a reused range.
-  if (transfer->status() == TransferStatus::kDone || !peer) return;
+  if (transfer->status() != TransferStatus::kDone && !peer)
+    throw TransferError("transfer cancelled, but its peer is disconnected, so no fence can be confirmed: its "
+                        "destination ranges stay quarantined");
   const int64_t deadline = now_ns() + static_cast<int64_t>(options_.timeout_s * 1e9);
-  peer->backend->drain(*transfer, deadline);
-  const uint32_t tag = static_cast<uint32_t>(transfer->id);
-  std::string payload(sizeof(tag), '\0');
-  wire::Writer(reinterpret_cast<uint8_t*>(payload.data())).put(tag);
-  send_control(*peer, wire::ControlType::kFence, payload);
-  std::unique_lock<std::mutex> lock(peer->reply_mutex);
-  const bool confirmed = peer->reply_cv.wait_until(lock, std::chrono::steady_clock::now() +
-                                                             std::chrono::nanoseconds(deadline - now_ns()),
-                                                   [&] { return peer->fences_confirmed.count(tag) || !peer->alive; });
-  if (!confirmed || !peer->fences_confirmed.erase(tag))
-    throw TransferError("transfer cancelled, but " + peer->info.address +
-                        " did not confirm that its chunks are fenced: bytes already sent may still land");
+  if (transfer->status() != TransferStatus::kDone) {
+    peer->backend->drain(*transfer, deadline);
+    if (!fence(*peer, *transfer, deadline))
+      throw TransferError("transfer cancelled, but " + peer->info.address +
+                          " did not confirm that none of its chunks is being written: bytes already sent may "
+                          "still land, so its destination ranges stay quarantined until a cancel() is confirmed");
+  }
+  std::lock_guard<std::mutex> lock(transfers_mutex_);
+  quarantined_.erase(transfer->id);
+}
+
+bool Engine::fence(Peer& peer, const TransferState& transfer, int64_t deadline_ns) {
+  std::string payload(sizeof(transfer.tag), '\0');
+  wire::Writer(reinterpret_cast<uint8_t*>(payload.data())).put(transfer.tag);
+  // The peer answers busy after its own timeout_s while a chunk is still being written; a
+  // fence is never lifted, so asking again until it is quiet (or our deadline) is safe.
+  while (now_ns() < deadline_ns) {
+    {
+      std::lock_guard<std::mutex> lock(peer.reply_mutex);
+      peer.fence_replies.erase(transfer.tag);
+    }
+    send_control(peer, wire::ControlType::kFence, payload);
+    std::unique_lock<std::mutex> lock(peer.reply_mutex);
+    peer.reply_cv.wait_until(lock, std::chrono::steady_clock::now() + std::chrono::nanoseconds(deadline_ns - now_ns()),
+                             [&] { return peer.fence_replies.count(transfer.tag) || !peer.alive; });
+    const auto reply = peer.fence_replies.find(transfer.tag);
+    if (reply == peer.fence_replies.end()) return false;
+    const bool confirmed = reply->second;
+    peer.fence_replies.erase(reply);
+    if (confirmed) return true;
+  }
+  return false;
 }
 
 bool Engine::begin_receive(uint64_t sender_engine_id, uint32_t transfer_tag) {

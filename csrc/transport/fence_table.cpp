@@ -4,7 +4,7 @@
 
 namespace pddcore::transfer {
 
-void FenceTable::install(uint64_t sender_engine_id, uint32_t transfer_tag, double timeout_s) {
+bool FenceTable::install(uint64_t sender_engine_id, uint32_t transfer_tag, double timeout_s) {
   const Key key{sender_engine_id, transfer_tag};
   std::unique_lock<std::mutex> lock(mutex_);
   if (fenced_.insert(key).second) {
@@ -16,6 +16,7 @@ void FenceTable::install(uint64_t sender_engine_id, uint32_t transfer_tag, doubl
   }
   written_.wait_for(lock, std::chrono::duration<double>(timeout_s),
                     [&] { return closed_ || receiving_.count(key) == 0; });
+  return receiving_.count(key) == 0;
 }
 
 bool FenceTable::begin(uint64_t sender_engine_id, uint32_t transfer_tag) {

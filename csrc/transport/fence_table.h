@@ -1,7 +1,8 @@
 // The receiver's side of cancel fences. A sender that cancels a transfer asks the
 // receiver to fence (sender engine, transfer tag): chunks of a fenced transfer are dropped
 // from then on, and the fence is confirmed only once no chunk of it is being written, so
-// the sender may reuse the destination at once.
+// the sender may reuse the destination at once. A chunk still being written when the wait
+// ends keeps the fence unconfirmed: the sender must ask again.
 #pragma once
 
 #include <condition_variable>
@@ -17,9 +18,10 @@ namespace pddcore::transfer {
 
 class FenceTable {
  public:
-  // Fences the transfer, then waits (up to timeout_s, or until close) until none of its
-  // chunks is being written.
-  void install(uint64_t sender_engine_id, uint32_t transfer_tag, double timeout_s);
+  // Fences the transfer, then waits (up to timeout_s) until none of its chunks is being
+  // written. True: none is, and none will be; false: one still was when timeout_s passed or
+  // the table closed.
+  bool install(uint64_t sender_engine_id, uint32_t transfer_tag, double timeout_s);
   // A chunk is about to be written; false: its transfer is fenced, drop the chunk.
   bool begin(uint64_t sender_engine_id, uint32_t transfer_tag);
   // The chunk that begin() admitted is written.

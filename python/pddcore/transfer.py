@@ -246,9 +246,15 @@ class Transfer:
     def cancel(self) -> None:
         """Stops sending, then returns once the peer confirmed that no chunk of this transfer
         will be written any more (chunks it applied before stay): the destination range can be
-        reused at once. On a failed transfer it only waits for that fence; no-op once done.
-        Raises TransferError if the peer does not confirm within ``timeout_s`` (it is gone or
-        frozen: bytes already sent might still land)."""
+        reused at once. The peer confirms only once no chunk of it is being written; while one
+        is (a slow chunk outlasting the peer's own ``timeout_s``) it answers busy and is asked
+        again. On a failed transfer it only waits for that fence; no-op once done.
+
+        Raises TransferError if the peer does not confirm within this engine's ``timeout_s``
+        (it is gone, frozen, or a chunk is still arriving): bytes already sent may still land,
+        so the transfer's destination ranges stay quarantined: a write through the same
+        :class:`Peer` into any of them raises TransferError until a later ``cancel()`` of this
+        transfer is confirmed."""
         self._engine._core.cancel(self._handle)
 
     def __repr__(self) -> str:

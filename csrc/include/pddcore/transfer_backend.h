@@ -45,15 +45,33 @@ using RegionPtr = std::shared_ptr<const Region>;
 
 enum class TransferStatus : int { kPending = 0, kDone = 1, kFailed = 2, kCancelled = 3 };
 
+// Where a write lands: bytes [offset, offset + nbytes) of the peer's region.
+struct DestinationRange {
+  uint64_t region;
+  uint64_t offset;
+  uint64_t nbytes;
+};
+
 // A write_batch in flight. Terminal status is set once; waiters wake then.
 class TransferState {
  public:
-  TransferState(uint64_t id, uint64_t peer_key, uint64_t total_bytes)
-      : id(id), peer_key(peer_key), total_bytes(total_bytes), started_ns(now_ns()), last_progress_ns(started_ns) {}
+  TransferState(uint64_t id, uint32_t tag, uint64_t peer_key, uint64_t total_bytes,
+                std::vector<DestinationRange> destinations)
+      : id(id),
+        tag(tag),
+        peer_key(peer_key),
+        total_bytes(total_bytes),
+        destinations(std::move(destinations)),
+        started_ns(now_ns()),
+        last_progress_ns(started_ns) {}
 
   const uint64_t id;
+  // What the peer fences this transfer by; unpredictable, so no other holder of the token
+  // can fence it by guessing (TransferTags).
+  const uint32_t tag;
   const uint64_t peer_key;
   const uint64_t total_bytes;
+  const std::vector<DestinationRange> destinations;
   const int64_t started_ns;
   std::atomic<uint64_t> bytes_acked{0};
   std::atomic<int64_t> last_progress_ns;

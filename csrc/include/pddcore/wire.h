@@ -16,7 +16,9 @@
 
 namespace pddcore::wire {
 
-constexpr uint16_t kVersion = 2;  // 2: chunks carry their transfer's tag (cancel fences)
+// 2: chunks carry their transfer's tag (cancel fences); 3: a fence is answered busy while a
+// chunk of it is still being written
+constexpr uint16_t kVersion = 3;
 constexpr uint32_t kHelloMagic = 0x48444450;    // "PDDH"
 constexpr uint32_t kChunkMagic = 0x43444450;    // "PDDC"
 constexpr uint32_t kAckMagic = 0x41444450;      // "PDDA"
@@ -62,6 +64,8 @@ enum class ControlType : uint8_t {
   kRegionList = 6,   // reply: RegionEntry[]
   kFence = 7,        // payload: u32 transfer tag the client cancelled; drop its chunks from now on
   kFenceAck = 8,     // reply, same payload: fenced, and no chunk of it is being written any more
+  kFenceBusy = 9,    // reply, same payload: fenced, but a chunk of it was still being written when
+                     // the server's timeout passed; not confirmed, the client asks again
 };
 
 inline const char* to_string(AckStatus s) {
@@ -224,7 +228,7 @@ struct ChunkHeader {
   uint64_t offset = 0;
   uint32_t length = 0;
   uint32_t payload_crc = 0;
-  uint32_t transfer_tag = 0;  // the sender's transfer id (low 32 bits): what a cancel fences
+  uint32_t transfer_tag = 0;  // the sender's unpredictable tag of its transfer: what a cancel fences
 
   void encode(uint8_t* out) const {
     Writer w(out);
@@ -287,7 +291,7 @@ struct ControlHeader {
     Reader r(in);
     if (r.get<uint32_t>() != kControlMagic) return false;
     const uint8_t t = r.get<uint8_t>();
-    if (t < static_cast<uint8_t>(ControlType::kMessage) || t > static_cast<uint8_t>(ControlType::kFenceAck))
+    if (t < static_cast<uint8_t>(ControlType::kMessage) || t > static_cast<uint8_t>(ControlType::kFenceBusy))
       return false;
     type = static_cast<ControlType>(t);
     r.get<uint8_t>();

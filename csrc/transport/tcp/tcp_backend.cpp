@@ -344,7 +344,7 @@ void TcpBackend::send_chunks(const Socket& socket, const std::vector<Outgoing>& 
     header.region_id = chunk.dst_region;
     header.offset = chunk.dst_offset;
     header.length = chunk.length;
-    header.transfer_tag = static_cast<uint32_t>(chunk.transfer->id);
+    header.transfer_tag = chunk.transfer->tag;
     const bool trailer = chunk.length > kCrcPiece;
     if (trailer)
       header.flags = wire::ChunkHeader::kCrcTrailer;
