@@ -39,7 +39,7 @@ BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS, EOS = 16, 2, 8, 3, 24, 2
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def make_config(model_dir: Path, role: str, extra: dict | None = None) -> VllmConfig:
+def make_config(model_dir: Path, role: str, extra: dict | None = None, *, prefix_caching: bool = True) -> VllmConfig:
     """A VllmConfig for a tiny local llama-shaped model (only its config.json is read)."""
     model = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True, dtype="float32",
                         seed=0, max_model_len=512)
@@ -47,7 +47,7 @@ def make_config(model_dir: Path, role: str, extra: dict | None = None) -> VllmCo
         model_config=model,
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(kv_connector="PDDConnector", kv_connector_module_path="pddcore.integrations.vllm",
                                             kv_role=role, kv_load_failure_policy="recompute",
                                             kv_connector_extra_config={"host": "127.0.0.1", **(extra or {})}),
@@ -81,8 +81,8 @@ def make_kv_cache_config(config: VllmConfig, spec, layout: str = "LBNHC") -> KVC
                                            NUM_BLOCKS * spec.page_size_bytes * LAYERS)
 
 
-def make_scheduler(model_dir: Path, role: str) -> Scheduler:
-    config = make_config(model_dir, role)
+def make_scheduler(model_dir: Path, role: str, *, prefix_caching: bool = True) -> Scheduler:
+    config = make_config(model_dir, role, prefix_caching=prefix_caching)
     kv_cache_config = make_kv_cache_config(config, attention_spec())
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=False,
@@ -248,6 +248,7 @@ def worker_step(worker: Worker, meta: PDDConnectorMetadata, *, forward: bool = F
     """One model-runner step around the connector, in the order vLLM 0.33's
     KVConnectorModelRunnerMixin calls it."""
     conn = worker.conn
+    conn.handle_preemptions(meta)
     conn.bind_connector_metadata(meta)
     conn.start_load_kv(None)
     if forward:
@@ -367,6 +368,72 @@ def engine_step(sched: Scheduler, worker: Worker, *, forward: bool = False) -> t
     reqs = [sched.requests[r] for r in out.num_scheduled_tokens]
     sched.update_from_output(out, runner_output(reqs, kv_out))
     return dict(out.num_scheduled_tokens), kv_out
+
+
+def model_value(req_id: str, pos: int, layer: int) -> float:
+    """What the stand-in model writes into every K/V cell of token ``pos`` of ``req_id`` in ``layer``."""
+    return float(int(req_id[-1], 36) * 10000 + pos + layer / 4)
+
+
+def model_forward(sched: Scheduler, worker: Worker, out) -> None:
+    """The stand-in model's forward: writes the KV of every token scheduled in ``out`` into the
+    request's blocks (the LBNHC caches of ``worker``: [blocks, heads, block_size, row])."""
+    for req_id, n in out.num_scheduled_tokens.items():
+        blocks = sched.kv_cache_manager.get_block_ids(req_id)[0]
+        end = sched.requests[req_id].num_computed_tokens  # advanced by schedule()
+        for pos in range(end - n, end):
+            for layer, name in enumerate(LAYER_NAMES):
+                worker.kv[name][blocks[pos // BLOCK], :, pos % BLOCK, :] = model_value(req_id, pos, layer)
+
+
+def test_preempted_producer_request_ships_the_kv_of_its_last_save(model_dir):
+    """The real Scheduler preempts a producer request under KV pressure after its prefill was
+    saved; it resumes in other blocks and is saved again. The consumer gets the KV the model
+    wrote into the new blocks, not the old blocks' bytes (which another request reused), and
+    the preemption freed the first staged copy at once."""
+    prod = make_scheduler(model_dir, "kv_producer", prefix_caching=False)  # the resumed prefill gets fresh blocks
+    pw = make_worker(model_dir, "kv_producer", seed=7)
+    cw = make_worker(model_dir, "kv_consumer", seed=8)
+    try:
+        prod.connector.set_xfer_handshake_metadata({0: pw.conn.get_handshake_metadata()})
+        # 10 blocks each of 23: A (no transfer) and B decode until the pool runs dry; B is preempted,
+        # A decodes on into B's freed blocks and finishes, B is prefilled again and finishes.
+        prod.add_request(make_request("p-A", list(range(100, 260)), 60, None))
+        prod.add_request(make_request("p-B", list(range(300, 460)), 30, {"do_remote_decode": True}))
+        saves, params, deadline = [], None, time.monotonic() + 60
+        while params is None:
+            assert time.monotonic() < deadline
+            out = prod.schedule()
+            model_forward(prod, pw, out)
+            if "p-B" in out.kv_connector_metadata.saves:
+                saves.append(list(out.kv_connector_metadata.saves["p-B"]))
+            kv_out = worker_step(pw, out.kv_connector_metadata, forward=True)
+            if "p-B" in (out.preempted_req_ids or ()):
+                assert "p-B" not in pw.conn._staged  # the preemption dropped its staged copy
+            reqs = [prod.requests[r] for r in out.num_scheduled_tokens]
+            outputs = prod.update_from_output(out, ModelRunnerOutput(
+                req_ids=[r.request_id for r in reqs], req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
+                sampled_token_ids=[[] if r.is_prefill_chunk else [7] for r in reqs], logprobs=None,
+                prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out))
+            params = next((o.kv_transfer_params for eo in outputs.values() for o in eo.outputs
+                           if o.request_id == "p-B" and o.kv_transfer_params), None)
+        assert len(saves) == 2 and saves[1][:len(saves[0])] != saves[0]  # saved again, elsewhere
+        d_blocks = list(range(1, 11))
+        cw.conn.bind_connector_metadata(PDDConnectorMetadata(loads={"d-B": _Load(d_blocks, 0, dict(params))}))
+        cw.conn.start_load_kv(None)
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
+        assert not results[1].failed_recving and not errors[1]
+        want = [torch.tensor([[model_value("p-B", b * BLOCK + s, layer)] * HEADS for s in range(BLOCK)])
+                for b in range(10) for layer in range(LAYERS)]
+        got = cw.blocks(d_blocks)  # per layer K then V, each [blocks, tokens, heads, dim]
+        for layer in range(LAYERS):
+            for plane in got[2 * layer:2 * layer + 2]:
+                for b in range(10):
+                    assert torch.equal(plane[b], want[b * LAYERS + layer][..., None].expand(BLOCK, HEADS, HEAD_DIM)), \
+                        (layer, b)
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
 
 
 def test_scheduler_and_workers_end_to_end_a_malformed_message_fails_one_request(model_dir):

@@ -46,5 +46,6 @@ class PDDConnectorMetadata(KVConnectorMetadata):
     pushes: dict[str, list[str]] = field(default_factory=dict)       # producer: req -> consumer rank addresses
     send_deadlines: dict[str, float] = field(default_factory=dict)   # producer: finished req -> lease (s)
     dropped_sends: set[str] = field(default_factory=set)             # producer: finished without a consumer
+    preempted: set[str] = field(default_factory=set)                 # producer: staged copies gone stale
     loads: dict[str, _Load] = field(default_factory=dict)            # consumer: req -> what to pull
     cancelled_loads: dict[str, dict] = field(default_factory=dict)   # consumer: aborted before the pull

@@ -84,7 +84,9 @@ class ProducerWorker:
         pushing = []
         for req_id, block_ids in meta.saves.items():
             staged = self._staged.get(req_id)
-            if staged is None:
+            if staged is None or staged.ready:  # a copy from an earlier step names blocks the request may have lost
+                if staged is not None:
+                    self._drop_send(req_id)
                 staged = self._staged[req_id] = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
                 if req_id in meta.pushes:
                     self._start_push(req_id, staged, meta.pushes[req_id])
@@ -94,6 +96,15 @@ class ProducerWorker:
                 pushing.append((req_id, staged))
         if pushing:
             self._push_packed_layer(layer, pushing)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Frees the staged copy of every preempted request: vLLM freed its blocks, and no
+        consumer was told of it yet (that happens when it finishes). Runs before the step."""
+        if not isinstance(kv_connector_metadata, PDDConnectorMetadata):
+            return
+        for req_id in kv_connector_metadata.preempted:
+            if req_id in self._staged and req_id not in self._serving:
+                self._drop_send(req_id)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata

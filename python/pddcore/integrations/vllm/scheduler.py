@@ -86,6 +86,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta, self._meta = self._meta, PDDConnectorMetadata()
         meta.loads, self._loads = self._loads, {}
+        # A preempted request lost its blocks; resumed, it is saved again from its new ones.
+        meta.preempted = set(scheduler_output.preempted_req_ids or ())
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self._producing.get(req_id)
             if request is not None and request.num_computed_tokens + num_tokens >= request.num_prompt_tokens:
