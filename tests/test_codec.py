@@ -76,7 +76,7 @@ def test_lossless_round_trip_is_bit_exact(name, dtype, shape, kind, segment_byte
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(lossless, "SEGMENT_BYTES", segment_bytes)  # many segments per plane
         frame = codec.get(name).encode(x)
-    assert same_bits(codec.decode(frame), x)
+    assert same_bits(codec.decode(frame, max_bytes=x.nbytes), x)
     out = torch.empty_like(x)
     assert codec.get(name).decode(frame, out=out) is out
     assert same_bits(out, x)
@@ -86,7 +86,7 @@ def test_lossless_round_trip_is_bit_exact(name, dtype, shape, kind, segment_byte
 @given(name=st.sampled_from(LOSSLESS), data=st.binary(max_size=3000))
 def test_lossless_round_trip_of_bytes_like_input(name, data):
     for source in (data, bytearray(data), memoryview(data)):
-        got = codec.decode(codec.get(name).encode(source))
+        got = codec.decode(codec.get(name).encode(source), max_bytes=len(data))
         assert got.dtype == torch.uint8 and got.shape == (len(data),)
         assert got.numpy().tobytes() == data
 
@@ -94,7 +94,7 @@ def test_lossless_round_trip_of_bytes_like_input(name, data):
 def test_bf16_specials_survive_bit_for_bit():
     x = bf16_from_bits(BF16_SPECIALS * 50).view(50, -1)
     for name in LOSSLESS:
-        assert same_bits(codec.decode(codec.get(name).encode(x)), x)
+        assert same_bits(codec.decode(codec.get(name).encode(x), max_bytes=x.nbytes), x)
 
 
 def test_non_contiguous_input_and_output():
@@ -154,7 +154,7 @@ def test_byte_plane_split_beats_compressing_interleaved_bytes(real_bf16_kv):
     interleaved = len(zstandard.ZstdCompressor(level=1).compress(raw))
     split = len(codec.get("zstd").encode(real_bf16_kv))
     assert split < interleaved < len(raw)
-    assert same_bits(codec.decode(codec.get("zstd").encode(real_bf16_kv)), real_bf16_kv)
+    assert same_bits(codec.decode(codec.get("zstd").encode(real_bf16_kv), max_bytes=real_bf16_kv.nbytes), real_bf16_kv)
 
 
 # ---- fp8 ---------------------------------------------------------------------------------------------------
@@ -212,13 +212,13 @@ def test_fp8_error_within_the_e4m3_bound(dtype, data, seed):
 def test_fp8_scales_are_per_page():
     # One page near 1e4, one near 1e-4: a shared scale would flush the small page to zero.
     x = torch.cat([torch.full((1, 64), 1e4), torch.linspace(1e-4, 2e-4, 64)[None]]).to(torch.float32)
-    got = codec.decode(codec.get("fp8").encode(x))
+    got = codec.decode(codec.get("fp8").encode(x), max_bytes=x.nbytes)
     assert torch.allclose(got[1], x[1], rtol=2 ** -4, atol=0)
 
 
 def test_fp8_bf16_denormal_page_stays_within_bound():
     x = bf16_from_bits([1, 3, 0x7F, 0x8005]).view(1, -1)  # bf16 denormals
-    out = codec.decode(codec.get("fp8").encode(x))
+    out = codec.decode(codec.get("fp8").encode(x), max_bytes=x.nbytes)
     assert bool(((out.double() - x.double()).abs() <= fp8_error_bound(x, out)).all())
 
 
@@ -254,7 +254,7 @@ def test_every_byte_flip_raises_or_decodes_the_original(name):
     """A flipped byte anywhere must never yield other bytes: a CodecError with ``out``
     untouched, or (where the flip hits bits the format ignores) the original result."""
     x, frame = sample_frame(name)
-    original = codec.decode(frame)
+    original = codec.decode(frame, max_bytes=x.nbytes)
     raised = 0
     for i in range(len(frame)):
         damaged = bytearray(frame)
@@ -300,6 +300,41 @@ def test_wrong_out_raises_and_is_untouched(name, out):
     with pytest.raises(CodecError, match="out is"):
         codec.decode(frame, out=out)
     assert same_bits(out, before)
+
+
+def test_decoding_into_a_new_tensor_needs_max_bytes():
+    x = torch.ones(4, 6, dtype=torch.bfloat16)
+    for name in codec.available():
+        frame = codec.get(name).encode(x)
+        with pytest.raises(CodecError, match="needs max_bytes"):
+            codec.decode(frame)
+        with pytest.raises(CodecError, match="non-negative int"):
+            codec.decode(frame, max_bytes=-1)
+        assert same_bits(codec.decode(frame, max_bytes=x.nbytes), codec.decode(frame, out=torch.empty_like(x)))
+
+
+@pytest.mark.parametrize("name", codec.available())
+def test_a_frame_claiming_more_than_max_bytes_is_refused(name):
+    """A compression bomb (64 MiB of zeros in a few KiB) decodes only when the caller expects
+    that many bytes; one byte less is a CodecError naming both sizes."""
+    x = torch.zeros(64 << 20, dtype=torch.uint8) if name != "fp8" else torch.zeros(16 << 20, dtype=torch.float32)
+    frame = codec.get(name).encode(x)
+    with pytest.raises(CodecError, match=f"frame decodes to {x.nbytes} bytes .* more than max_bytes={x.nbytes - 1}"):
+        codec.decode(frame, max_bytes=x.nbytes - 1)
+    assert int(codec.decode(frame, max_bytes=x.nbytes).count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("name", codec.available())
+def test_a_shape_claiming_2_to_the_62_bytes_is_a_codec_error(name):
+    """A header that claims 2^62 decoded bytes (its CRC right, its body tiny): CodecError
+    before any allocation, never MemoryError; into an ``out`` it is a shape mismatch."""
+    c = codec.get(name)
+    header = FrameHeader(c.codec_id, torch.float64, (1 << 59,), b"\0" * 12, 4, 0)
+    frame = header.to_bytes() + b"\0" * 4
+    with pytest.raises(CodecError, match=f"frame decodes to {1 << 62} bytes"):
+        codec.decode(frame, max_bytes=1 << 30)
+    with pytest.raises(CodecError, match="out is"):
+        codec.decode(frame, out=torch.zeros(4, dtype=torch.float64))
 
 
 def test_a_codec_refuses_another_codecs_frame():
@@ -418,7 +453,7 @@ def test_loopback_fp8_pages_arrive_within_bound(engines, dtype):
         t.wait()
         assert t.nbytes < x.numel() * x.element_size() // 2 + 1024
         [note] = md.poll_messages(timeout=10)
-        key, got = codec.decode_notified(note, inbox)
+        key, got = codec.decode_notified(note, inbox, max_bytes=x.nbytes)
         assert key == b"fp8" and got.dtype == dtype
         assert bool(((got.double() - x.double()).abs() <= fp8_error_bound(x, got)).all())
     finally:
@@ -439,7 +474,7 @@ def test_loopback_two_frames_in_one_staging_region(engines):
         notes = []
         while len(notes) < 2:
             notes += md.poll_messages(timeout=10)
-        got = dict(codec.decode_notified(n, inbox) for n in notes)
+        got = dict(codec.decode_notified(n, inbox, max_bytes=a.nbytes) for n in notes)
         assert same_bits(got[b"a"], a) and same_bits(got[b"b"], b)
     finally:
         md.unregister(inbox.region)

@@ -217,7 +217,7 @@ def measure(kv_name: str, kv: torch.Tensor, repeats: int) -> list[CodecPoint]:
 
 
 def fp8_error(kv_name: str, kv: torch.Tensor) -> Fp8Error:
-    got = codec.decode(codec.get("fp8").encode(kv)).double()
+    got = codec.decode(codec.get("fp8").encode(kv), max_bytes=kv.nbytes).double()
     x = kv.double()
     err = (got - x).abs()
     amax = x.abs().amax(dim=1, keepdim=True)
@@ -231,7 +231,7 @@ def fp8_error(kv_name: str, kv: torch.Tensor) -> Fp8Error:
 # and, as a control for how fragile the model's greedy choices are, rounded to bfloat16
 # (what a bfloat16 engine stores anyway).
 ROUNDTRIPS = {
-    "fp8": lambda rows: codec.decode(codec.get("fp8").encode(rows)),
+    "fp8": lambda rows: codec.decode(codec.get("fp8").encode(rows), max_bytes=rows.nbytes),
     "bfloat16 rounding (control)": lambda rows: rows.to(torch.bfloat16).to(rows.dtype),
 }
 

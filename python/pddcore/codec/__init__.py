@@ -16,6 +16,8 @@ Codecs (:func:`available`):
 Each frame is self-describing (magic, codec id, version, dtype, shape, segment lengths or
 scales, CRC32C; see :mod:`.frame`): :func:`decode` needs nothing else, and a truncated,
 corrupted or foreign frame raises :class:`CodecError` instead of yielding wrong bytes.
+Decoding into a new tensor takes ``max_bytes``, the most the caller expects: a header's
+claim beyond it is refused before anything is allocated.
 :func:`send_compressed` / :func:`decode_notified` move frames between
 :class:`pddcore.TransferEngine` peers through registered staging regions.
 
@@ -26,7 +28,7 @@ Example::
 
     kv = torch.randn(37, 16, 2, 64).to(torch.bfloat16)     # [pages, tokens, kv heads, head_dim]
     frame = codec.get(codec.DEFAULT_LOSSLESS).encode(kv)   # bytes
-    assert torch.equal(codec.decode(frame), kv)            # bit-exact
+    assert torch.equal(codec.decode(frame, max_bytes=kv.nbytes), kv)   # bit-exact
     out = torch.empty_like(kv)
     codec.decode(codec.get("fp8").encode(kv), out=out)     # approximately kv
 """

@@ -163,9 +163,18 @@ def tensor_of(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> to
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
-def check_out(header: FrameHeader, out: torch.Tensor | None) -> None:
-    """Raises :class:`CodecError` unless ``out`` (if given) has the frame's dtype and shape."""
+def check_out(header: FrameHeader, out: torch.Tensor | None, max_bytes: int | None) -> None:
+    """Raises :class:`CodecError` unless ``out`` has the frame's dtype and shape or, without
+    ``out``, the frame decodes to at most ``max_bytes`` (which must then be given)."""
     if out is None:
+        if max_bytes is None:
+            raise CodecError("decoding without out needs max_bytes: the most decoded bytes this caller accepts "
+                             "(a frame's header could claim any size)")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise CodecError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+        if header.nbytes > max_bytes:
+            raise CodecError(f"frame decodes to {header.nbytes} bytes ({header.dtype} {header.shape}), "
+                             f"more than max_bytes={max_bytes}")
         return
     if not isinstance(out, torch.Tensor):
         raise CodecError(f"out must be a torch.Tensor, got {type(out).__name__}")

@@ -42,10 +42,13 @@ def get(name: str, threads: int = 1) -> Codec:
     return found
 
 
-def decode(frame: bytes | bytearray | memoryview, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decodes a frame of any codec (named by the frame itself) into ``out`` or a new tensor."""
+def decode(frame: bytes | bytearray | memoryview, out: torch.Tensor | None = None, *,
+           max_bytes: int | None = None) -> torch.Tensor:
+    """Decodes a frame of any codec (named by the frame itself) into ``out``, or into a new
+    tensor of at most ``max_bytes`` (required without ``out``; a larger claim raises
+    :class:`CodecError` before anything is allocated)."""
     header = FrameHeader.parse(memoryview(frame).cast("B"))
     codec = _BY_ID.get(header.codec_id)
     if codec is None:
         raise CodecError(f"frame names codec id {header.codec_id}, which this pddcore does not have")
-    return codec.decode(frame, out)
+    return codec.decode(frame, out, max_bytes=max_bytes)

@@ -122,10 +122,12 @@ def send_compressed(engine: TransferEngine, peer: Peer, tensor: Any, codec: str 
                         notify=notice.to_bytes())
 
 
-def decode_notified(message: Message, staging: Staging, out: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor]:
+def decode_notified(message: Message, staging: Staging, out: torch.Tensor | None = None, *,
+                    max_bytes: int | None = None) -> tuple[bytes, torch.Tensor]:
     """``(key, tensor)`` of the frame a :func:`send_compressed` notification announces,
-    decoded from ``staging`` into ``out`` (or a new tensor). Raises :class:`CodecError`
-    for a message that is not such a notification or a bad frame (``out`` untouched)."""
+    decoded from ``staging`` into ``out`` (or a new tensor of at most ``max_bytes``, required
+    then). Raises :class:`CodecError` for a message that is not such a notification or a bad
+    frame (``out`` untouched)."""
     if not getattr(message, "notification", False):
         raise CodecError("a codec frame is announced by a write notification; this message is not one")
     notice = FrameNotice.parse(message.payload)
@@ -133,4 +135,4 @@ def decode_notified(message: Message, staging: Staging, out: torch.Tensor | None
         frame = staging.view(notice.offset, notice.length)
     except ValueError as e:
         raise CodecError(f"frame notice points outside the staging buffer: {e}") from None
-    return notice.key, decode(memoryview(frame), out)
+    return notice.key, decode(memoryview(frame), out, max_bytes=max_bytes)
