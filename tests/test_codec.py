@@ -337,6 +337,24 @@ def test_a_shape_claiming_2_to_the_62_bytes_is_a_codec_error(name):
         codec.decode(frame, out=torch.zeros(4, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("name", LOSSLESS)
+def test_a_bool_frame_holding_bytes_other_than_0_or_1_is_refused(name):
+    """A frame relabelled from uint8 to bool (header and CRCs consistent) decodes only while
+    every byte is 0 or 1: a bool tensor holding 2 is no bool tensor."""
+    for values, valid in (([0, 1, 1, 0], True), ([0, 1, 2, 255], False)):
+        frame = codec.get(name).encode(torch.tensor(values, dtype=torch.uint8))
+        h = FrameHeader.parse(frame)
+        relabelled = (FrameHeader(h.codec_id, torch.bool, h.shape, h.meta, h.body_len, h.content_crc).to_bytes()
+                      + frame[h.header_len:])
+        out = torch.zeros(4, dtype=torch.bool)
+        if valid:
+            assert codec.decode(relabelled, out=out).tolist() == [False, True, True, False]
+            continue
+        with pytest.raises(CodecError, match="bool element"):
+            codec.decode(relabelled, out=out)
+        assert not bool(out.any())
+
+
 def test_a_codec_refuses_another_codecs_frame():
     frame = codec.get("lz4").encode(torch.ones(8))
     with pytest.raises(CodecError, match="not by 'zstd'"):

@@ -280,6 +280,17 @@ def test_receiver_drops_chunks_of_a_fenced_transfer():
         engine.close()
 
 
+test_wire_flags = cpp_unit.case_test("wire_flags_test", ["tests/cpp/wire_flags_test.cpp"],
+                                     ["challenge_auth_required_is_a_flag", "qp_has_gid_is_a_flag"])
+
+
+def test_client_refuses_a_challenge_whose_flag_byte_is_not_0_or_1():
+    fake = FakeServer(auth_required=False)
+    fake.challenge = _CHALLENGE.pack(HELLO_MAGIC, WIRE_VERSION, 2, 777, os.urandom(16))
+    refused_by_client(fake, "bad challenge magic or flag")
+    assert len(fake.received) == _HELLO.size  # no proof went to it
+
+
 test_transfer_tags = cpp_unit.case_test("transfer_tags_test", ["tests/cpp/transfer_tags_test.cpp"],
                                         ["distinct_tags", "neighbours_look_random", "keys_decide_every_tag"])
 

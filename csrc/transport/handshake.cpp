@@ -109,7 +109,7 @@ uint64_t dial_handshake(const Socket& s, const HandshakeConfig& cfg, wire::ConnK
   uint8_t challenge_bytes[wire::Challenge::kSize];
   s.recv_all_before(challenge_bytes, sizeof(challenge_bytes), deadline);
   wire::Challenge challenge;
-  if (!challenge.decode(challenge_bytes)) throw TransferError("peer is not a pddcore engine (bad challenge magic)");
+  if (!challenge.decode(challenge_bytes)) throw TransferError("peer is not a pddcore engine (bad challenge magic or flag)");
   if (challenge.version != wire::kVersion)
     throw TransferError("peer speaks protocol version " + std::to_string(challenge.version) + ", this engine " +
                         std::to_string(wire::kVersion));

@@ -176,6 +176,7 @@ struct Challenge {
   void encode(uint8_t* out) const {
     Writer(out).put(kHelloMagic).put(version).put(auth_required).put(engine_id).bytes(nonce, kNonceBytes);
   }
+  // False on a bad magic or an auth_required byte other than 0 or 1.
   bool decode(const uint8_t* in) {
     Reader r(in);
     if (r.get<uint32_t>() != kHelloMagic) return false;
@@ -183,7 +184,7 @@ struct Challenge {
     auth_required = r.get<uint8_t>();
     engine_id = r.get<uint64_t>();
     r.bytes(nonce, kNonceBytes);
-    return true;
+    return auth_required <= 1;
   }
 };
 

@@ -57,7 +57,8 @@ struct QpAttributes {
   void encode(uint8_t* out) const {
     wire::Writer(out).put(lid).put(mtu).put(has_gid).put(qpn).put(psn).bytes(gid, sizeof(gid));
   }
-  void decode(const uint8_t* in) {
+  // False when has_gid, a flag, is neither 0 nor 1.
+  bool decode(const uint8_t* in) {
     wire::Reader r(in);
     lid = r.get<uint16_t>();
     mtu = r.get<uint8_t>();
@@ -65,6 +66,7 @@ struct QpAttributes {
     qpn = r.get<uint32_t>();
     psn = r.get<uint32_t>();
     r.bytes(gid, sizeof(gid));
+    return has_gid <= 1;
   }
 };
 
@@ -83,7 +85,8 @@ inline std::vector<QpAttributes> decode_qps(const std::string& payload) {
   const uint32_t n = wire::Reader(p).get<uint32_t>();
   if (n == 0 || n > kMaxQps || payload.size() != 4 + n * QpAttributes::kSize) return {};
   std::vector<QpAttributes> out(n);
-  for (uint32_t i = 0; i < n; ++i) out[i].decode(p + 4 + i * QpAttributes::kSize);
+  for (uint32_t i = 0; i < n; ++i)
+    if (!out[i].decode(p + 4 + i * QpAttributes::kSize)) return {};
   return out;
 }
 

@@ -185,6 +185,8 @@ class BytePlaneCodec(Codec):
         merged = columns.reshape(-1)
         if crc32c_of(merged) != header.content_crc:
             raise CodecError("corrupted frame: the decoded bytes fail their CRC32C")
+        if header.dtype == torch.bool and merged.size and int(merged.max()) > 1:
+            raise CodecError("corrupted frame: a bool element holds a byte other than 0 or 1")
         return write_out(tensor_of(merged, header.dtype, header.shape), out)
 
     def _expand(self, method: int, chunk: memoryview, size: int) -> bytes | memoryview:
