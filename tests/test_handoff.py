@@ -3,6 +3,7 @@ assembler under reordering, duplicates and resends."""
 
 import random
 import struct
+import sys
 import uuid
 
 import pytest
@@ -294,6 +295,51 @@ def test_assembler_rejects_pending_conflict_and_garbage():
     assert asm.next_pos == 0 and asm.end_pos is None
     with pytest.raises(ValueError, match="start_pos"):
         HandoffAssembler("r", -1)
+
+
+def test_assembler_holds_at_most_max_window_tokens_ahead():
+    """Tokens past next_pos + max_window are refused (nothing buffered); up to it they wait,
+    and once the gap fills they are delivered."""
+    asm = HandoffAssembler("r", 100, max_window=64)
+    with pytest.raises(HandoffError, match="more than max_window=64 tokens past the first missing position 100"):
+        asm.accept(Handoff("r", 1, 101, list(range(64)), 0))
+    assert asm._pending == {} and asm.next_pos == 100
+    assert asm.accept(Handoff("r", 1, 101, list(range(63)), 0)) == []  # ends exactly at 100 + 64
+    [r] = asm.accept(Handoff("r", 0, 100, [7], 0))
+    assert r.token_ids == (7, *range(63)) and asm.next_pos == 164
+    asm.accept(Handoff("r", 2, 164, list(range(64)), FINAL))  # the window moves with next_pos
+    assert asm.done and len(asm.tokens) == 128
+    with pytest.raises(ValueError, match="max_window"):
+        HandoffAssembler("r", 0, max_window=0)
+
+
+def _lines_run(fn) -> int:
+    """Python lines executed by ``fn()`` (a cost measure that does not depend on the clock)."""
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_assembler_cost_per_message_does_not_grow_with_what_it_holds():
+    """After FINAL, with 10 or with 20,000 tokens held behind a gap, accepting one more
+    one-token message executes the same number of Python lines."""
+    costs = []
+    for held in (10, 20_000):
+        asm = HandoffAssembler("r", 0, max_window=1 << 16)
+        asm.accept(Handoff("r", 9, 2, list(range(held)), FINAL))  # position 0 and 1 missing
+        costs.append(_lines_run(lambda: asm.accept(Handoff("r", 10, 3, [1], 0))))
+    assert costs[0] == costs[1]
 
 
 def test_split_into_messages_validates_batches():

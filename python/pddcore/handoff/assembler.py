@@ -45,12 +45,19 @@ class HandoffAssembler:
     newly contiguous ranges. A message that contradicts tokens already seen, goes past
     the FINAL end, or belongs to another request raises :class:`HandoffError` and
     changes nothing.
+
+    ``max_window`` bounds how far ahead of :attr:`next_pos` tokens are held while earlier
+    ones are missing: a message reaching past ``next_pos + max_window`` is refused, so a peer
+    cannot make MD buffer more than that many tokens. Each message costs time in its own
+    length only, never in how many tokens are held.
     """
 
     request_id: str
     start_pos: int
+    max_window: int = 1 << 16
     _delivered: list[int] = field(default_factory=list, init=False, repr=False)
     _pending: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _pending_end: int = field(default=0, init=False, repr=False)  # past the highest pending position; 0: none
     _end_pos: int | None = field(default=None, init=False, repr=False)
     _sampler: SamplerState | None = field(default=None, init=False, repr=False)
     _sampler_seq: int = field(default=-1, init=False, repr=False)
@@ -58,6 +65,8 @@ class HandoffAssembler:
     def __post_init__(self):
         if type(self.start_pos) is not int or self.start_pos < 0:
             raise ValueError(f"start_pos must be an integer >= 0, got {self.start_pos!r}")
+        if type(self.max_window) is not int or self.max_window < 1:
+            raise ValueError(f"max_window must be an integer >= 1, got {self.max_window!r}")
 
     @property
     def next_pos(self) -> int:
@@ -90,13 +99,16 @@ class HandoffAssembler:
         if msg.start_pos < self.start_pos:
             raise HandoffError(f"message starts at position {msg.start_pos}, before this handoff's start "
                                f"{self.start_pos}")
+        if msg.end_pos > self.next_pos + self.max_window:
+            raise HandoffError(f"message reaches position {msg.end_pos}, more than max_window={self.max_window} "
+                               f"tokens past the first missing position {self.next_pos}")
         end = self._end_pos
         if msg.final:
             if end is not None and end != msg.end_pos:
                 raise HandoffError(f"FINAL message ends at {msg.end_pos} but an earlier FINAL ended at {end}")
             end = msg.end_pos
         if end is not None:
-            highest = max([msg.end_pos] + [p + 1 for p in self._pending])
+            highest = max(msg.end_pos, self._pending_end)
             if highest > end:
                 raise HandoffError(f"tokens up to position {highest} but the FINAL message ends at {end}")
         self._check_consistent(msg)
@@ -106,14 +118,17 @@ class HandoffAssembler:
         if msg.sampler_state is not None and msg.seq > self._sampler_seq:
             self._sampler, self._sampler_seq = msg.sampler_state, msg.seq
         first_new = self.next_pos
-        for pos, tok in enumerate(msg.token_ids, msg.start_pos):
-            if pos >= first_new:
-                self._pending[pos] = tok
+        skip = max(0, first_new - msg.start_pos)
+        for pos, tok in enumerate(msg.token_ids[skip:], msg.start_pos + skip):
+            self._pending[pos] = tok
+        self._pending_end = max(self._pending_end, msg.end_pos)
         run = []
         pos = first_new
         while pos in self._pending:
             run.append(self._pending.pop(pos))
             pos += 1
+        if not self._pending:
+            self._pending_end = 0
         self._delivered.extend(run)
         if run or (self.done and msg.final and not was_done):
             # An empty range still signals the end when the FINAL message carried nothing new.
