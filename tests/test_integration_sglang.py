@@ -563,6 +563,60 @@ def test_sender_refuses_calls_out_of_order(pair):
         sender.send(np.array([1], dtype=np.int32))
 
 
+def send_segments(sender: pdd.PDDKVSender, segments: list[tuple[list[int], bool]]) -> None:
+    """What SGLang's prefill ``_send_kv_chunk`` does per segment: asks ``should_send_kv_chunk``
+    with the segment's page count and whether it is the request's last, and sends only then."""
+    for pages, last in segments:
+        if sender.should_send_kv_chunk(len(pages), last):
+            sender.send(np.array(pages, dtype=np.int32))
+
+
+def test_an_empty_last_chunk_closes_the_stream_and_carries_the_aux_item(pair):
+    """The decode side's prefix cache held every page: prefill's only segment is a last one with
+    no pages. It still goes out, both sides succeed and the aux item lands; a chunk that already
+    completed the pages, followed by an empty last segment, closes the stream once."""
+    pair.src.aux[0] = torch.arange(AUX_ITEM, dtype=torch.uint8) + 1
+    sender, receiver = pair.start(71)
+    receiver.send_metadata(np.array([], dtype=np.int32), aux_index=1, decode_prefix_len=8)
+    _wait(lambda: sender.poll() != KVPoll.Bootstrapping)
+    assert sender.pop_decode_prefix_len() == 8
+    sender.init(0, aux_index=0)
+    send_segments(sender, [([], True)])
+    _wait(lambda: sender.poll() in TERMINAL and receiver.poll() in TERMINAL)
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    assert torch.equal(pair.dst.aux[1], pair.src.aux[0])
+    sender.clear()
+    receiver.clear()
+
+    sender, receiver = pair.start(72)
+    receiver.send_metadata(np.array([5, 6], dtype=np.int32), aux_index=2)
+    _wait(lambda: sender.poll() != KVPoll.Bootstrapping)
+    sender.init(2, aux_index=0)
+    send_segments(sender, [([3, 4], False), ([], True)])
+    _wait(lambda: sender.poll() in TERMINAL and receiver.poll() in TERMINAL)
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    assert len(pair.decode.inbox(72).chunks[0]) == 1  # one chunk, which was the last
+    got = torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)
+    assert torch.equal(got[:, [5, 6]], pair.pages()[:, [3, 4]]) and torch.equal(pair.dst.aux[2], pair.src.aux[0])
+
+
+def test_sender_fails_once_the_bootstrap_timeout_passes(monkeypatch):
+    """A prefill request whose decode side never registers fails after
+    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT seconds, as with SGLang's own senders."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "1")
+    p = Pair()
+    try:
+        assert p.prefill.bootstrap_timeout_s == 1.0
+        sender = pdd.PDDKVSender(p.prefill, p.addr, 81)
+        assert sender.poll() == KVPoll.Bootstrapping
+        _wait(lambda: sender.poll() != KVPoll.Bootstrapping)
+        assert sender.poll() == KVPoll.Failed and time.monotonic() - sender._started >= 1.0
+        with pytest.raises(pdd.PDDTransferError, match="SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"):
+            sender.failure_exception()
+    finally:
+        p.close()
+
+
 # ---- addresses -------------------------------------------------------------------------------------
 
 def test_wildcard_host_advertises_the_local_ip(monkeypatch):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
+from sglang.srt.environ import envs
 
 from ...layout import KVLayout
 from ...transfer import Message, Region, TransferEngine
@@ -73,6 +74,8 @@ class PDDKVManager(BaseKVManager):
         self.is_mla = bool(is_mla_backend)
         self.device = kv_device(args, server_args)
         self.rank = int(args.engine_rank)
+        # How long a prefill request waits for its decode ranks to register, as SGLang's own managers.
+        self.bootstrap_timeout_s = float(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get())
         self.layout: KVLayout | None = None
         self.tp_size = self.kv_heads = self.total_kv_heads = 0
         if self.is_mla:

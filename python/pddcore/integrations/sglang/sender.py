@@ -49,6 +49,7 @@ class PDDKVSender(BaseKVSender):
         self._buffers: list[StagingBuffer] = []
         self._decode_prefix_len: int | None = None
         self._started = time.monotonic()
+        self._closed = False   # the last chunk went out
         self._bytes = 0
         # SGLang's early send of a cached prefix sets this CUDA event: the forward that writes
         # those pages may still be running when send() is called.
@@ -86,6 +87,11 @@ class PDDKVSender(BaseKVSender):
             self._fail(box.failure, tell_peers=False)
         elif self._state == KVPoll.Bootstrapping and self._registrations() is not None:
             self._state = KVPoll.WaitingForInput
+        elif self._state == KVPoll.Bootstrapping and time.monotonic() - self._started > self.kv_mgr.bootstrap_timeout_s:
+            # As SGLang's own senders: the decode side never registered, so the prefill's pages
+            # would stay held for good; SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT relaxes it.
+            self._fail(f"no decode rank registered within {self.kv_mgr.bootstrap_timeout_s:g} s (Bootstrapping; "
+                       "raise SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT to wait longer)", tell_peers=False)
         elif self._state == KVPoll.Transferring:
             try:
                 if all(t.done() for t in self._transfers) and self._sent_pages == self._num_pages:
@@ -100,6 +106,12 @@ class PDDKVSender(BaseKVSender):
         value = regs[0].decode_prefix_len if regs and self._decode_prefix_len is None else 0
         self._decode_prefix_len = value
         return value
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        """A last chunk goes out even without pages (e.g. the decode side's prefix cache held
+        them all): its notice closes the stream and carries the aux item, as with SGLang's
+        ``CommonKVSender``."""
+        return num_pages > 0 or last_chunk
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         regs = self._registrations()
@@ -121,6 +133,8 @@ class PDDKVSender(BaseKVSender):
             return self._fail(reason)
         pages = torch.as_tensor(np.asarray(kv_indices, dtype=np.int64))
         n = int(pages.numel())
+        if self._closed and n == 0:
+            return  # an empty final segment after a chunk that already completed the pages
         if self._sent_pages + n > self._num_pages:
             return self._fail(f"{self._sent_pages} + {n} pages exceeds the {self._num_pages} announced in init()")
         event, self._early_send_wait_event = self._early_send_wait_event, None
@@ -134,6 +148,7 @@ class PDDKVSender(BaseKVSender):
             return self._fail(f"send failed: {exc}")
         self._sent_pages += n
         self._chunk_idx += 1
+        self._closed = last
         self._state = KVPoll.Transferring
 
     def _send_chunk(self, reg: Registration, pages: torch.Tensor, last: bool) -> None:
