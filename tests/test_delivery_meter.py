@@ -7,7 +7,8 @@ a real bottleneck with a streaming sender: tests/test_transfer_wan.py (root)."""
 
 from __future__ import annotations
 
-import pytest
+import time
+
 import torch
 
 import cpp_unit
@@ -22,15 +23,25 @@ test_delivery_meter = cpp_unit.case_test("delivery_meter_test", ["tests/cpp/deli
                                                                "csrc/transport/tcp/delivery_meter.cpp"], METER_CASES)
 
 
-def test_bulk_write_on_loopback_is_path_limited():
+def test_bulk_write_on_loopback_is_path_limited_and_idle_time_is_not():
     nbytes = 64 << 20
     with TransferEngine() as receiver, TransferEngine() as sender:
         region = receiver.register(torch.zeros(nbytes, dtype=torch.uint8), target=True)
         src = sender.register(torch.ones(nbytes, dtype=torch.uint8))
         peer = sender.connect(receiver.address)
+        connected = sender.stats()["peers"][peer.address]
         sender.write(peer, src, 0, region.descriptor(), 0, nbytes).wait(timeout=60)
-        link = sender.stats()["peers"][peer.address]
+        written = sender.stats()["peers"][peer.address]
+        time.sleep(0.3)  # idle connections, each looked at again by the next stats()
+        idle = sender.stats()["peers"][peer.address]
+    # Connected but nothing sent: nothing measured.
+    assert (connected["path_limited_bytes"], connected["path_limited_seconds"]) == (0, 0), connected
     # 64 MiB keep every connection's window full for a while: the path set the pace then,
-    # for no longer than the write took.
-    assert 0 < link["path_limited_seconds"] <= link["seconds_busy"]
-    assert link["path_limited_bytes"] > 0
+    # for no longer than the write took, and faster than the write's average (which also
+    # holds its start-up and its last round trip).
+    assert 0 < written["path_limited_seconds"] <= written["seconds_busy"], written
+    limited_rate = written["path_limited_bytes"] / written["path_limited_seconds"]
+    assert limited_rate >= written["bytes_sent"] / written["seconds_busy"], written
+    # Idle connections deliver nothing: the counters stand still.
+    assert (idle["path_limited_bytes"], idle["path_limited_seconds"]) == (
+        written["path_limited_bytes"], written["path_limited_seconds"]), (written, idle)
