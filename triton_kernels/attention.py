@@ -282,9 +282,11 @@ def extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
 
 
 def decode_attention(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, batch, *, sliding_window: int,
-                     logit_cap: float, num_kv_splits: int | None = None) -> None:
-    """Triton form of `pddcore.kernels.decode_attention`; ``num_kv_splits`` overrides the split heuristic."""
-    qo_indptr = torch.arange(q.shape[0] + 1, dtype=kv_indptr.dtype, device=q.device)
+                     logit_cap: float, num_kv_splits: int | None = None, qo_indptr=None) -> None:
+    """Triton form of `pddcore.kernels.decode_attention`; ``num_kv_splits`` overrides the split heuristic.
+    ``qo_indptr``: ``arange(B + 1)`` on q's device (a plan makes it once; made here when not given)."""
+    if qo_indptr is None:
+        qo_indptr = torch.arange(q.shape[0] + 1, dtype=kv_indptr.dtype, device=q.device)
     _launch(q, q, q, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, batch,
             extend=False, causal=True, sliding_window=sliding_window, logit_cap=logit_cap,
             num_kv_splits=num_kv_splits)

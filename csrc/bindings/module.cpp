@@ -23,6 +23,7 @@ namespace {
 using PlaneTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>;
 using ByteBuffer = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>;
 using IdArray = nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using DeviceTable = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cuda>;
 
 kv::PageIds page_ids_of(const IdArray& ids) {
   const bool i64 = ids.dtype() == nb::dtype<int64_t>();
@@ -30,14 +31,7 @@ kv::PageIds page_ids_of(const IdArray& ids) {
   return {ids.data(), ids.shape(0), i64};
 }
 
-void run(const KVLayoutDesc& layout, const IdArray& ids, ByteBuffer buf, std::vector<int64_t> layers, uint64_t h0,
-         uint64_t h1, bool on_cuda, uintptr_t stream, kv::Direction dir) {
-  kv::PackRequest req{&layout, page_ids_of(ids), std::move(layers), {h0, h1}, buf.data(), buf.shape(0)};
-  if (on_cuda)
-    kv::run_cuda(req, dir, stream);
-  else
-    kv::run_cpu(req, dir);
-}
+kv::Direction direction(bool pack) { return pack ? kv::Direction::kPack : kv::Direction::kUnpack; }
 
 }  // namespace
 
@@ -63,16 +57,35 @@ NB_MODULE(_C, m) {
           },
           nb::arg("num_pages"), nb::arg("layers"), nb::arg("h0"), nb::arg("h1"));
 
-  const auto dir_fn = [](kv::Direction dir) {
-    return [dir](const KVLayoutDesc& l, const IdArray& ids, ByteBuffer buf, std::vector<int64_t> layers, uint64_t h0,
-                 uint64_t h1, bool on_cuda, uintptr_t stream) { run(l, ids, buf, std::move(layers), h0, h1, on_cuda, stream, dir); };
-  };
-  m.def("pack", dir_fn(kv::Direction::kPack), nb::arg("layout"), nb::arg("page_ids"), nb::arg("buf").noconvert(),
-        nb::arg("layers"), nb::arg("h0"), nb::arg("h1"), nb::arg("on_cuda"), nb::arg("stream"),
-        nb::call_guard<nb::gil_scoped_release>());
-  m.def("unpack", dir_fn(kv::Direction::kUnpack), nb::arg("layout"), nb::arg("page_ids"), nb::arg("buf").noconvert(),
-        nb::arg("layers"), nb::arg("h0"), nb::arg("h1"), nb::arg("on_cuda"), nb::arg("stream"),
-        nb::call_guard<nb::gil_scoped_release>());
+  nb::class_<kv::CopyPlan>(m, "CopyPlan")
+      .def(
+          "__init__",
+          [](kv::CopyPlan* self, const KVLayoutDesc& l, const IdArray& ids, std::vector<int64_t> layers, uint64_t h0,
+             uint64_t h1, bool for_cuda) { new (self) kv::CopyPlan(l, page_ids_of(ids), layers, {h0, h1}, for_cuda); },
+          nb::arg("layout"), nb::arg("page_ids"), nb::arg("layers"), nb::arg("h0"), nb::arg("h1"), nb::arg("for_cuda"))
+      .def_prop_ro("nbytes", &kv::CopyPlan::nbytes)
+      .def_prop_ro("device_table_nbytes", &kv::CopyPlan::device_table_nbytes);
+  m.def(
+      "run_copy_plan_cpu",
+      [](const kv::CopyPlan& plan, ByteBuffer buf, bool pack) {
+        kv::run_cpu(plan, buf.data(), buf.shape(0), direction(pack));
+      },
+      nb::arg("plan"), nb::arg("buf").noconvert(), nb::arg("pack"), nb::call_guard<nb::gil_scoped_release>());
+  m.def("check_cuda_layout", &kv::check_cuda_layout, nb::arg("layout"), nb::arg("device"));
+  m.def(
+      "upload_copy_plan",
+      [](const kv::CopyPlan& plan, DeviceTable table, int device, uintptr_t stream) {
+        kv::upload_cuda(plan, table.data(), table.shape(0), device, stream);
+      },
+      nb::arg("plan"), nb::arg("table").noconvert(), nb::arg("device"), nb::arg("stream"));
+  m.def(
+      "run_copy_plan_cuda",
+      [](const kv::CopyPlan& plan, DeviceTable table, ByteBuffer buf, bool pack, int device, uintptr_t stream) {
+        kv::run_cuda(plan, table.data(), table.shape(0), buf.data(), buf.shape(0),
+                     buf.device_type() == nb::device::cpu::value, direction(pack), device, stream);
+      },
+      nb::arg("plan"), nb::arg("table").noconvert(), nb::arg("buf").noconvert(), nb::arg("pack"), nb::arg("device"),
+      nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>());
 
   m.def("set_num_threads", &kv::set_cpu_threads, nb::arg("n"));
   m.def("get_num_threads", &kv::cpu_threads);

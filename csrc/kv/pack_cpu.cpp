@@ -1,4 +1,4 @@
-// Launcher of the CPU pack/unpack: checks the plan, then copies across a thread pool.
+// Plans of pack/unpack and their CPU launcher: copies across a thread pool.
 #include <algorithm>
 #include <thread>
 
@@ -13,20 +13,23 @@ static ThreadPool& pool() {
   return p;
 }
 
-std::vector<CopyItem> plan_checked(const PackRequest& req) {
-  const PageIds& ids = req.page_ids;
-  std::vector<CopyItem> items =
-      ids.is_int64 ? req.layout->plan(static_cast<const int64_t*>(ids.data), ids.count, req.layers, req.heads)
-                   : req.layout->plan(static_cast<const int32_t*>(ids.data), ids.count, req.layers, req.heads);
-  const uint64_t need = req.layout->packed_nbytes(ids.count, req.layers, req.heads);
-  if (req.buffer_nbytes < need)
-    throw std::invalid_argument("buffer too small: " + std::to_string(req.buffer_nbytes) + " bytes, need " +
-                                std::to_string(need));
-  return items;
+CopyPlan::CopyPlan(const KVLayoutDesc& layout, PageIds ids, const std::vector<int64_t>& layers, HeadRange heads,
+                   bool for_cuda)
+    : items_(ids.is_int64 ? layout.plan(static_cast<const int64_t*>(ids.data), ids.count, layers, heads)
+                          : layout.plan(static_cast<const int32_t*>(ids.data), ids.count, layers, heads)),
+      nbytes_(layout.packed_nbytes(ids.count, layers, heads)) {
+  if (for_cuda) device_items_ = slice_items(items_);
 }
 
-void run_cpu(const PackRequest& req, Direction dir) {
-  execute_cpu(plan_checked(req), req.buffer, dir, pool());
+void CopyPlan::check_buffer(uint64_t buffer_nbytes) const {
+  if (buffer_nbytes < nbytes_)
+    throw std::invalid_argument("buffer too small: " + std::to_string(buffer_nbytes) + " bytes, need " +
+                                std::to_string(nbytes_));
+}
+
+void run_cpu(const CopyPlan& plan, uint8_t* buffer, uint64_t buffer_nbytes, Direction dir) {
+  plan.check_buffer(buffer_nbytes);
+  execute_cpu(plan.items(), buffer, dir, pool());
 }
 
 void set_cpu_threads(size_t n) {

@@ -4,7 +4,7 @@ MainDecode (PDD) disaggregated LLM inference. See README.md and DESIGN.md."""
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from .layout import KVLayout, PlaneInfo
-from .pack import get_num_threads, pack, set_num_threads, unpack
+from .pack import PackPlan, get_num_threads, pack, set_num_threads, unpack
 from .transfer import Message, Peer, Region, Transfer, TransferEngine, TransferError
 
 try:
@@ -12,5 +12,5 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
-__all__ = ["KVLayout", "PlaneInfo", "pack", "unpack", "set_num_threads", "get_num_threads", "__version__",
+__all__ = ["KVLayout", "PlaneInfo", "pack", "unpack", "PackPlan", "set_num_threads", "get_num_threads", "__version__",
            "TransferEngine", "Region", "Peer", "Transfer", "TransferError", "Message"]

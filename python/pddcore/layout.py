@@ -73,6 +73,16 @@ def _normalize_heads(heads: tuple[int, int] | None) -> tuple[int, int]:
     return int(h0), int(h1)
 
 
+def _resolve_device(device: torch.device) -> torch.device:
+    """``cuda`` becomes ``cuda:<current device>``: the pack launchers run on one named device."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    reason = _C.cuda_unusable_reason()
+    if reason:
+        raise RuntimeError(f"a KVLayout on {device} needs a usable CUDA device: {reason}")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class KVLayout:
     """Describes a paged KV pool without copying it; see the module docstring.
 
@@ -81,18 +91,21 @@ class KVLayout:
     """
 
     def __init__(self, planes: Sequence[PlaneInfo], planes_per_layer: int, device: torch.device | str,
-                 *, keepalive: object = None):
+                 *, tensors: Sequence[torch.Tensor] = ()):
         if planes_per_layer not in (1, 2):
             raise ValueError(f"planes_per_layer must be 1 (MLA) or 2 (K and V), got {planes_per_layer}")
         self.planes: tuple[PlaneInfo, ...] = tuple(planes)
         self.planes_per_layer = planes_per_layer
-        self.device = torch.device(device)
-        self._keepalive = keepalive
+        self.device = _resolve_device(torch.device(device))
+        self._tensors = list(tensors)
+        self._tokens_per_page_arg: int | None = None
         self._desc = _C.KVLayoutDesc(
             [(p.base, p.num_pages, p.page_stride, p.tokens_per_page, p.num_heads, p.head_bytes, p.token_stride,
               p.head_stride) for p in self.planes],
             planes_per_layer,
         )
+        if self.device.type == "cuda":
+            _C.check_cuda_layout(self._desc, self.device.index)
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
@@ -123,7 +136,22 @@ class KVLayout:
             if t.device != device:
                 raise ValueError(f"plane {i} is on {t.device} but plane 0 is on {device}")
             planes.append(cls._plane_of(t, i, tokens_per_page))
-        return cls(planes, 2 if v is not None else 1, device, keepalive=tensors)
+        layout = cls(planes, 2 if v is not None else 1, device, tensors=tensors)
+        layout._tokens_per_page_arg = tokens_per_page
+        return layout
+
+    def over(self, tensors: Sequence[torch.Tensor]) -> "KVLayout":
+        """The same kind of layout over other tensors of the same shapes (in `tensors`' order),
+        e.g. copies torch.compile made of this layout's tensors. Their strides may differ:
+        packed bytes are the same for any strides."""
+        if len(tensors) != len(self._tensors) or not self._tensors:
+            raise ValueError(f"a layout over {len(self._tensors)} tensors cannot move to {len(tensors)}")
+        for i, (a, b) in enumerate(zip(tensors, self._tensors)):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(f"plane {i}: {tuple(a.shape)} {a.dtype} does not match {tuple(b.shape)} {b.dtype}")
+        if self.is_mla:
+            return KVLayout.from_tensors(list(tensors), tokens_per_page=self._tokens_per_page_arg)
+        return KVLayout.from_tensors(list(tensors[0::2]), list(tensors[1::2]), tokens_per_page=self._tokens_per_page_arg)
 
     @staticmethod
     def _plane_of(t: torch.Tensor, index: int, tokens_per_page: int | None) -> PlaneInfo:
@@ -207,6 +235,11 @@ class KVLayout:
                                  device=device, tokens_per_page=page_size, num_kv_heads=num_kv_heads)
 
     # ---- queries ---------------------------------------------------------------------------
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the layout was built from (none for raw pointers)."""
+        return list(self._tensors)
+
     @property
     def num_layers(self) -> int:
         return len(self.planes) // self.planes_per_layer

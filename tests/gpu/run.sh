@@ -6,13 +6,17 @@
 # 1. builds pddcore with its CUDA kernels (PDD_WITH_CUDA=ON: a missing nvcc fails loudly);
 # 2. runs every test marked `gpu` with PDDCORE_REQUIRE_GPU=1, so a GPU test that would skip
 #    (no device, kernels not built, an engine's CUDA kernels missing) fails instead: the CUDA
-#    pack kernel against the CPU reference (dense and strided cells, pinned buffers), the tcp
+#    pack kernel against the CPU reference (dense and strided cells, pinned buffers), a pack
+#    plan on a non-default stream and replayed in a CUDA graph, a layout on GPU 1 packed
+#    while GPU 0 is current (with two GPUs), a decode step (store_kv, decode, pack, unpack)
+#    from plans with torch's sync debug mode on and replayed in a CUDA graph, the tcp
 #    engine refusing device memory, and a vLLM and an SGLang prefill -> decode generation
 #    through pddcore with a tiny model, both roles on the one GPU, compared token for token
 #    with a single engine;
 # 3. runs the Triton kernels compiled for the GPU (not interpreted) against the torch reference;
-# 4. the GPU benchmarks (Triton extend / decode vs the torch reference, same run), into
-#    $PDDCORE_GPU_OUT (default: bench-results/gpu).
+# 4. the GPU benchmarks (Triton extend / decode vs the torch reference, same run; pack,
+#    unpack, extend and decode as a fraction of a device copy_ and of the GPU's peak memory
+#    bandwidth), into $PDDCORE_GPU_OUT (default: bench-results/gpu).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="${PDDCORE_GPU_OUT:-bench-results/gpu}"

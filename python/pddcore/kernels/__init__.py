@@ -29,8 +29,15 @@ torch reference (`pddcore.kernels.reference`). ``PDDCORE_FORCE_TRITON=1`` runs t
 kernels for CPU tensors too, in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
 set before triton is imported (this is how CI tests them). float64 always takes the torch
 path (forcing Triton with float64 is an error). Inconsistent arguments raise
-``ValueError`` before anything is launched or written; checking reads the indptrs (and
-the range of the used kv_indices) back to the host, one small sync per call on CUDA.
+``ValueError`` before anything is launched or written.
+
+Plan and run, as FlashInfer splits them: checking reads the indptrs (and the range of
+the used kv_indices, or the slot mapping) back to the host. The one-shot functions do
+that on every call, one small sync on CUDA. `ExtendPlan`, `DecodePlan` and `StorePlan`
+do it once per batch; their ``run`` (for every layer) checks only shapes, dtypes and
+devices and launches with no host synchronisation, so it can be captured in a CUDA graph.
+Every launch goes through a ``torch.ops.pddcore`` custom op with a fake implementation,
+so ``torch.compile(fullgraph=True)`` keeps a step that runs plans in one graph.
 
 Example::
 
@@ -42,40 +49,98 @@ Example::
     o = torch.empty_like(q)
     K.extend_attention(q, k, v, o, pool_k, pool_v, torch.tensor([0, 3]), torch.tensor([0, 10]), prefix)
     K.store_kv(k, v, pool_k, pool_v, torch.arange(10, 13))            # now the 3 tokens are cached
+
+    # a decode step: plan once per batch, run per layer
+    slots = torch.arange(14)                                         # the 13 cached tokens + the new one
+    store = K.StorePlan(slots[-1:], pool_k)
+    decode = K.DecodePlan(torch.tensor([0, 14]), slots, pool_k, num_heads=8)
+    store.run(torch.randn(1, 2, 128), torch.randn(1, 2, 128), pool_k, pool_v)
+    decode.run(q[:1], pool_k, pool_v, o[:1])
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import reference
-from ._checks import check_decode, check_extend, check_store
+from . import _ops
+from ._checks import (Batch, PoolShape, check_decode, check_decode_tensors, check_extend, check_extend_tensors,
+                      check_store, check_store_tensors, plan_decode_batch, plan_extend_batch, plan_store_slots,
+                      require_batch, require_slots, require_tokens)
+from ._ops import uses_triton
 
-__all__ = ["extend_attention", "decode_attention", "store_kv", "slots_from_page_table", "uses_triton"]
+__all__ = ["extend_attention", "decode_attention", "store_kv", "ExtendPlan", "DecodePlan", "StorePlan",
+           "slots_from_page_table", "uses_triton"]
 
 
-def uses_triton(t: torch.Tensor) -> bool:
-    """Whether a call whose tensors look like `t` runs the Triton kernels.
+def _require_heads(q: torch.Tensor, batch: Batch) -> None:
+    if q.shape[1] != batch.num_heads:
+        raise ValueError(f"the plan is for {batch.num_heads} query heads, got {q.shape[1]}")
 
-    True for CUDA tensors (fp16/bf16/fp32) and whenever ``PDDCORE_FORCE_TRITON=1``.
+
+class ExtendPlan:
+    """One extend batch, checked once: `run` it for every layer.
+
+    ``k_buffer`` is any layer's pool (its shape, page size and device; every layer's pool
+    must match). The other arguments are those of `extend_attention`; ``num_heads`` is H.
     """
-    if os.environ.get("PDDCORE_FORCE_TRITON") == "1":
-        if t.dtype == torch.float64:
-            raise ValueError("PDDCORE_FORCE_TRITON=1: the Triton kernels take float16/bfloat16/float32, got float64")
-        return True
-    return t.is_cuda and t.dtype != torch.float64
+
+    def __init__(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                 k_buffer: torch.Tensor, *, num_heads: int, sm_scale: float | None = None, causal: bool = True,
+                 sliding_window: int = -1, logit_cap: float = 0.0):
+        self.pool = PoolShape.of(k_buffer)
+        self.batch = plan_extend_batch(self.pool, num_heads, qo_indptr, kv_indptr, kv_indices, sm_scale,
+                                       sliding_window, logit_cap)
+        self.qo_indptr, self.kv_indptr, self.kv_indices = qo_indptr, kv_indptr, kv_indices
+        self.causal, self.sliding_window, self.logit_cap = bool(causal), sliding_window, float(logit_cap)
+
+    def run(self, q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor, o_extend: torch.Tensor,
+            k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+        """Writes ``o_extend``; see `extend_attention`."""
+        check_extend_tensors(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer)
+        self.pool.require(k_buffer, v_buffer)
+        _require_heads(q_extend, self.batch)
+        require_tokens("qo_indptr[-1]", self.batch.qo_indptr[-1], q_extend.shape[0])
+        _ops.extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, self.qo_indptr,
+                              self.kv_indptr, self.kv_indices, self.batch.qo_indptr, self.batch.kv_indptr,
+                              self.batch.sm_scale, self.causal, self.sliding_window, self.logit_cap)
 
 
-def _triton():
-    try:
-        from .. import triton_kernels  # imported lazily: triton is optional and slow to import
-    except ModuleNotFoundError as exc:
-        if exc.name != "triton":
-            raise
-        raise RuntimeError("CUDA tensors (or PDDCORE_FORCE_TRITON=1) need the triton package: pip install triton") from exc
-    return triton_kernels
+class DecodePlan:
+    """One decode batch, checked once: `run` it for every layer (arguments as `ExtendPlan`)."""
+
+    def __init__(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, k_buffer: torch.Tensor, *,
+                 num_heads: int, sm_scale: float | None = None, sliding_window: int = -1, logit_cap: float = 0.0):
+        self.pool = PoolShape.of(k_buffer)
+        self.batch = plan_decode_batch(self.pool, num_heads, kv_indptr, kv_indices, sm_scale, sliding_window,
+                                       logit_cap)
+        self.kv_indptr, self.kv_indices = kv_indptr, kv_indices
+        self.qo_indptr = torch.arange(self.batch.num_requests + 1, dtype=kv_indptr.dtype, device=kv_indptr.device)
+        self.sliding_window, self.logit_cap = sliding_window, float(logit_cap)
+
+    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor) -> None:
+        """Writes ``o``; see `decode_attention`."""
+        check_decode_tensors(q, k_buffer, v_buffer, o)
+        self.pool.require(k_buffer, v_buffer)
+        _require_heads(q, self.batch)
+        require_batch(self.batch, q.shape[0])
+        _ops.decode_attention(q, k_buffer, v_buffer, o, self.qo_indptr, self.kv_indptr, self.kv_indices,
+                              self.batch.kv_indptr, self.batch.sm_scale, self.sliding_window, self.logit_cap)
+
+
+class StorePlan:
+    """One batch's slot mapping, checked once (in range, no slot twice): `run` it for every layer."""
+
+    def __init__(self, slot_mapping: torch.Tensor, k_buffer: torch.Tensor):
+        self.pool = PoolShape.of(k_buffer)
+        self.num_tokens = plan_store_slots(self.pool, slot_mapping)
+        self.slot_mapping = slot_mapping
+
+    def run(self, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+        """Writes the tokens into the pool; see `store_kv`."""
+        check_store_tensors(k, v, k_buffer, v_buffer)
+        self.pool.require(k_buffer, v_buffer)
+        require_slots(self.num_tokens, k.shape[0])
+        _ops.store_kv(k, v, k_buffer, v_buffer, self.slot_mapping)
 
 
 def extend_attention(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor,
@@ -92,13 +157,9 @@ def extend_attention(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: t
     """
     batch = check_extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
                          qo_indptr, kv_indptr, kv_indices, sm_scale, sliding_window, logit_cap)
-    options = dict(causal=bool(causal), sliding_window=sliding_window, logit_cap=float(logit_cap))
-    if uses_triton(q_extend):
-        _triton().extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-                                   qo_indptr, kv_indptr, kv_indices, batch, **options)
-    else:
-        reference.extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indices, batch,
-                                   **options)
+    _ops.extend_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
+                          kv_indices, batch.qo_indptr, batch.kv_indptr, batch.sm_scale, bool(causal), sliding_window,
+                          float(logit_cap))
 
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
@@ -111,11 +172,9 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     Writes ``o`` in place.
     """
     batch = check_decode(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale, sliding_window, logit_cap)
-    options = dict(sliding_window=sliding_window, logit_cap=float(logit_cap))
-    if uses_triton(q):
-        _triton().decode_attention(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, batch, **options)
-    else:
-        reference.decode_attention(q, k_buffer, v_buffer, o, kv_indices, batch, **options)
+    qo_indptr = torch.arange(batch.num_requests + 1, dtype=kv_indptr.dtype, device=kv_indptr.device)
+    _ops.decode_attention(q, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices, batch.kv_indptr,
+                          batch.sm_scale, sliding_window, float(logit_cap))
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -125,8 +184,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
     A negative slot skips that token (padding). Slots must be distinct and in range.
     """
     check_store(k, v, k_buffer, v_buffer, slot_mapping)
-    impl = _triton() if uses_triton(k) else reference
-    impl.store_kv(k, v, k_buffer, v_buffer, slot_mapping)
+    _ops.store_kv(k, v, k_buffer, v_buffer, slot_mapping)
 
 
 def slots_from_page_table(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:

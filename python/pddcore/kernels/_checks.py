@@ -1,8 +1,11 @@
 """Argument checks shared by the torch reference and the Triton launchers.
 
-Every public kernel entry calls one of the ``check_*`` functions before it touches
-memory; they raise ``ValueError`` naming the problem and return the host-side batch
-description both execution paths need (so the ragged offsets are read back once).
+Split as the kernels are: the ``plan_*`` checks read the index tensors back to the host
+(once per batch) and return the host-side batch description both execution paths need;
+the ``check_*_tensors`` checks look at shapes, dtypes and devices only, so a plan's run
+does them with no host sync. ``check_extend`` / ``check_decode`` / ``check_store`` do
+both for a one-shot call. All raise ``ValueError`` naming the problem before anything
+is launched or written.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Batch", "as_paged_pool", "check_extend", "check_decode", "check_store", "FLOAT_DTYPES"]
+__all__ = ["Batch", "PoolShape", "as_paged_pool", "check_extend", "check_decode", "check_store", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -127,16 +130,40 @@ def _check_indices(name: str, indices, used: int, num_slots: int) -> None:
         raise ValueError(f"{name} holds slot ids in [{lo}, {hi}], outside the pool's [0, {num_slots})")
 
 
-def check_extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-                 qo_indptr, kv_indptr, kv_indices, sm_scale, sliding_window, logit_cap) -> Batch:
+@dataclass(frozen=True)
+class PoolShape:
+    """What a plan knows of the pool it will run on: every layer's pool has this shape."""
+
+    num_slots: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    device: torch.device
+
+    @staticmethod
+    def of(k_buffer: torch.Tensor) -> "PoolShape":
+        num_slots, page_size, hkv, dim = _check_pool(k_buffer, k_buffer)
+        return PoolShape(num_slots, page_size, hkv, dim, k_buffer.device)
+
+    def require(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+        """Rejects a pool other than the planned one's shape (metadata only: no host sync)."""
+        got = PoolShape(*_check_pool(k_buffer, v_buffer), k_buffer.device)
+        if got != self:
+            raise ValueError(f"the pool {tuple(k_buffer.shape)} on {k_buffer.device} is not the one planned for "
+                             f"({self.num_slots} slots, page size {self.page_size}, {self.num_kv_heads} KV heads, "
+                             f"head_dim {self.head_dim}, on {self.device})")
+
+
+# ---- tensor checks: shapes, dtypes and devices only, so a run can call them with no host sync
+
+def check_extend_tensors(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer) -> None:
     for name, t in (("q_extend", q_extend), ("k_extend", k_extend), ("v_extend", v_extend), ("o_extend", o_extend)):
         _check_tensor(name, t, 3)
-    num_slots, page_size, hkv, dim = _check_pool(k_buffer, v_buffer)
+    _, _, hkv, dim = _check_pool(k_buffer, v_buffer)
     tensors = dict(q_extend=q_extend, k_extend=k_extend, v_extend=v_extend, o_extend=o_extend,
                    k_buffer=k_buffer, v_buffer=v_buffer)
     _check_same("dtype", tensors, "dtype")
-    _check_same("device", {**tensors, "qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices},
-                "device")
+    _check_same("device", tensors, "device")
     if q_extend.dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {q_extend.dtype}")
     tokens, heads, qdim = q_extend.shape
@@ -147,64 +174,124 @@ def check_extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected (T, Hkv, D) = {(tokens, hkv, dim)} "
                              "from q_extend and the pool")
     _check_heads("q_extend", heads, qdim, hkv, dim)
-    scale = _check_scalars(sm_scale, sliding_window, logit_cap, dim)
-    _check_tensor("kv_indices", kv_indices, 1)
-    qo = _read_indptr("qo_indptr", qo_indptr, tokens, None)
-    kv = _read_indptr("kv_indptr", kv_indptr, None, kv_indices.numel())
-    if len(qo) != len(kv):
-        raise ValueError(f"qo_indptr ({len(qo)}) and kv_indptr ({len(kv)}) must both hold B+1 offsets")
-    _check_indices("kv_indices", kv_indices, kv[-1], num_slots)
-    return Batch(qo, kv, heads, hkv, dim, page_size, scale)
 
 
-def check_decode(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale, sliding_window, logit_cap) -> Batch:
+def check_decode_tensors(q, k_buffer, v_buffer, o) -> None:
     _check_tensor("q", q, 3)
     _check_tensor("o", o, 3)
-    num_slots, page_size, hkv, dim = _check_pool(k_buffer, v_buffer)
+    _, _, hkv, dim = _check_pool(k_buffer, v_buffer)
     tensors = dict(q=q, o=o, k_buffer=k_buffer, v_buffer=v_buffer)
     _check_same("dtype", tensors, "dtype")
-    _check_same("device", {**tensors, "kv_indptr": kv_indptr, "kv_indices": kv_indices}, "device")
+    _check_same("device", tensors, "device")
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {q.dtype}")
-    batch, heads, qdim = q.shape
+    _, heads, qdim = q.shape
     if o.shape != q.shape:
         raise ValueError(f"o {tuple(o.shape)} must match q {tuple(q.shape)}")
     _check_heads("q", heads, qdim, hkv, dim)
-    scale = _check_scalars(sm_scale, sliding_window, logit_cap, dim)
-    _check_tensor("kv_indices", kv_indices, 1)
-    kv = _read_indptr("kv_indptr", kv_indptr, None, kv_indices.numel())
-    if len(kv) != batch + 1:
-        raise ValueError(f"kv_indptr must hold B+1 = {batch + 1} offsets for q's batch, got {len(kv)}")
-    empty = [i for i, (a, b) in enumerate(zip(kv, kv[1:])) if a == b]
-    if empty:
-        raise ValueError(f"requests {empty} have no KV slots; a decode request must include its own new token")
-    _check_indices("kv_indices", kv_indices, kv[-1], num_slots)
-    return Batch(list(range(batch + 1)), kv, heads, hkv, dim, page_size, scale)
 
 
-def check_store(k, v, k_buffer, v_buffer, slot_mapping) -> tuple[int, int]:
-    """Return (num_slots, page_size); reject out-of-range and repeated slots."""
+def check_store_tensors(k, v, k_buffer, v_buffer) -> None:
     _check_tensor("k", k, 3)
     _check_tensor("v", v, 3)
-    num_slots, page_size, hkv, dim = _check_pool(k_buffer, v_buffer)
+    _, _, hkv, dim = _check_pool(k_buffer, v_buffer)
     tensors = dict(k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer)
     _check_same("dtype", tensors, "dtype")
-    _check_same("device", {**tensors, "slot_mapping": slot_mapping}, "device")
+    _check_same("device", tensors, "device")
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape[1:]) != (hkv, dim):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected (N, Hkv, D) with (Hkv, D) = {(hkv, dim)}")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k ({k.shape[0]} tokens) and v ({v.shape[0]} tokens) differ in length")
-    _check_tensor("slot_mapping", slot_mapping, 1)
+
+
+# ---- plan checks: read the index tensors back to the host, once per batch
+
+def _check_index_device(pool: PoolShape, named: dict[str, torch.Tensor]) -> None:
+    for name, t in named.items():
+        _check_tensor(name, t, 1)
+    devices = {"the pool": pool.device, **{name: t.device for name, t in named.items()}}
+    if len(set(devices.values())) > 1:
+        raise ValueError("all tensors must share one device: " + ", ".join(f"{n}={d}" for n, d in devices.items()))
+
+
+def plan_extend_batch(pool: PoolShape, num_heads: int, qo_indptr, kv_indptr, kv_indices, sm_scale, sliding_window,
+                      logit_cap) -> Batch:
+    _check_heads("q_extend", num_heads, pool.head_dim, pool.num_kv_heads, pool.head_dim)
+    scale = _check_scalars(sm_scale, sliding_window, logit_cap, pool.head_dim)
+    _check_index_device(pool, dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices))
+    qo = _read_indptr("qo_indptr", qo_indptr, None, None)
+    kv = _read_indptr("kv_indptr", kv_indptr, None, kv_indices.numel())
+    if len(qo) != len(kv):
+        raise ValueError(f"qo_indptr ({len(qo)}) and kv_indptr ({len(kv)}) must both hold B+1 offsets")
+    _check_indices("kv_indices", kv_indices, kv[-1], pool.num_slots)
+    return Batch(qo, kv, num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size, scale)
+
+
+def plan_decode_batch(pool: PoolShape, num_heads: int, kv_indptr, kv_indices, sm_scale, sliding_window,
+                      logit_cap) -> Batch:
+    _check_heads("q", num_heads, pool.head_dim, pool.num_kv_heads, pool.head_dim)
+    scale = _check_scalars(sm_scale, sliding_window, logit_cap, pool.head_dim)
+    _check_index_device(pool, dict(kv_indptr=kv_indptr, kv_indices=kv_indices))
+    kv = _read_indptr("kv_indptr", kv_indptr, None, kv_indices.numel())
+    empty = [i for i, (a, b) in enumerate(zip(kv, kv[1:])) if a == b]
+    if empty:
+        raise ValueError(f"requests {empty} have no KV slots; a decode request must include its own new token")
+    _check_indices("kv_indices", kv_indices, kv[-1], pool.num_slots)
+    return Batch(list(range(len(kv))), kv, num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size, scale)
+
+
+def plan_store_slots(pool: PoolShape, slot_mapping) -> int:
+    """Rejects out-of-range and repeated slots; returns the number of tokens."""
+    _check_index_device(pool, dict(slot_mapping=slot_mapping))
     if slot_mapping.dtype not in _INDEX_DTYPES:
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    if slot_mapping.numel() != k.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries for {k.shape[0]} tokens")
     kept = slot_mapping[slot_mapping >= 0]
     if kept.numel():
         hi = int(kept.max())
-        if hi >= num_slots:
-            raise ValueError(f"slot_mapping holds slot {hi}, outside the pool's [0, {num_slots})")
+        if hi >= pool.num_slots:
+            raise ValueError(f"slot_mapping holds slot {hi}, outside the pool's [0, {pool.num_slots})")
         if torch.unique(kept).numel() != kept.numel():
             raise ValueError("slot_mapping writes one slot twice; the result would depend on write order")
-    return num_slots, page_size
+    return slot_mapping.numel()
+
+
+def require_tokens(name: str, planned: int, tokens: int) -> None:
+    if planned != tokens:
+        raise ValueError(f"{name} = {planned} must equal the number of tokens {tokens}")
+
+
+def check_extend(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
+                 qo_indptr, kv_indptr, kv_indices, sm_scale, sliding_window, logit_cap) -> Batch:
+    """Every check of one extend call (tensors, then the plan's); returns its batch."""
+    check_extend_tensors(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer)
+    batch = plan_extend_batch(PoolShape.of(k_buffer), q_extend.shape[1], qo_indptr, kv_indptr, kv_indices, sm_scale,
+                              sliding_window, logit_cap)
+    require_tokens("qo_indptr[-1]", batch.qo_indptr[-1], q_extend.shape[0])
+    return batch
+
+
+def check_decode(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale, sliding_window, logit_cap) -> Batch:
+    """Every check of one decode call (tensors, then the plan's); returns its batch."""
+    check_decode_tensors(q, k_buffer, v_buffer, o)
+    batch = plan_decode_batch(PoolShape.of(k_buffer), q.shape[1], kv_indptr, kv_indices, sm_scale, sliding_window,
+                              logit_cap)
+    require_batch(batch, q.shape[0])
+    return batch
+
+
+def require_batch(batch: Batch, num_queries: int) -> None:
+    if batch.num_requests != num_queries:
+        raise ValueError(f"kv_indptr must hold B+1 = {num_queries + 1} offsets for q's batch, "
+                         f"got {batch.num_requests + 1}")
+
+
+def check_store(k, v, k_buffer, v_buffer, slot_mapping) -> None:
+    """Every check of one store_kv call."""
+    check_store_tensors(k, v, k_buffer, v_buffer)
+    require_slots(plan_store_slots(PoolShape.of(k_buffer), slot_mapping), k.shape[0])
+
+
+def require_slots(planned: int, tokens: int) -> None:
+    if planned != tokens:
+        raise ValueError(f"slot_mapping has {planned} entries for {tokens} tokens")
