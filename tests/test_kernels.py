@@ -354,11 +354,18 @@ def test_triton_split_kv_ranges_extend_and_decode(triton_device, splits):
     assert_close(o, expected, torch.float32)
 
 
-def test_empty_batches_write_nothing(device):
-    case = make_extend_case([5, 0], [0, 0], 4, 2, 64, torch.float32)
-    assert run_extend(case, device).shape == (0, 4, 64)
-    case = make_extend_case([], [], 4, 2, 64, torch.float32)
-    assert run_extend(case, device).shape == (0, 4, 64)
+@pytest.mark.parametrize("prefix_lens,extend_lens", [([5, 0], [0, 0]), ([], [])])
+def test_empty_batches_write_nothing(device, prefix_lens, extend_lens):
+    case = make_extend_case(prefix_lens, extend_lens, 4, 2, 64, torch.float32)
+    pool = case.pool.to(device)
+    k_before, v_before = pool.k.clone(), pool.v.clone()
+    q, k, v, qo_indptr, kv_indptr, kv_indices = on(device, case.q, case.k, case.v, case.qo_indptr, case.kv_indptr,
+                                                   case.kv_indices)
+    o = torch.empty_like(q)
+    K.extend_attention(q, k, v, o, pool.k, pool.v, qo_indptr, kv_indptr, kv_indices)
+    K.store_kv(k, v, pool.k, pool.v, torch.empty(0, dtype=torch.int64, device=device))
+    assert o.shape == (0, 4, 64)
+    assert torch.equal(pool.k, k_before) and torch.equal(pool.v, v_before), "an empty batch changed the pool"
 
 
 def test_triton_rejects_head_dim_over_256(triton_device):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -333,3 +335,7 @@ def test_cuda_path_reports_clearly_without_gpu():
 
     reason = _C.cuda_unusable_reason()
     assert reason, "no GPU here, so CUDA must report why it is unusable"
+    # A layout that names a CUDA device is refused with that same reason.
+    t = torch.zeros(4, 3, 8)
+    with pytest.raises(RuntimeError, match=re.escape(reason)):
+        KVLayout.from_pointers([t.data_ptr()], t[0].nbytes, 4, tokens_per_page=3, device="cuda:0")
