@@ -1,5 +1,9 @@
 """The reference PDD deployment, end to end, in small: real processes, real sockets, the
-kernel WAN emulator where root (CI) or the userspace relay elsewhere."""
+kernel WAN emulator where root (CI) or the userspace relay elsewhere.
+
+These tests check what a run must do on any machine (exact outputs, routes, handoffs,
+faults, cleanup). How PDD's TTFT compares with cross-DC PD's is a performance figure that
+shared cores move: `pddcore demo` measures and prints it (docs/demo.md), no test asserts it."""
 
 import json
 import os
@@ -97,11 +101,6 @@ def test_pdd_routes_and_hands_off(demo):
     # each handoff moved a request: RLD streamed its start, MD produced tokens after it
     handed = [r["rid"] for r in demo["runs"]["pdd"]["requests"] if r["roles"][0] == "RLD" and r["roles"][-1] == "MD"]
     assert len(handed) == pdd["handoffs"]["one_shot"] + pdd["handoffs"]["catch_up"] >= 1, (handed, pdd["handoffs"])
-
-
-def test_pdd_ttft_p90_beats_cross_dc_pd(demo):
-    pd, pdd = demo["metrics"]["pd"]["ttft_s"], demo["metrics"]["pdd"]["ttft_s"]
-    assert pdd["p90"] < pd["p90"], (pdd, pd)
 
 
 def test_measurements_add_up_to_the_tokens_and_contexts(demo):
