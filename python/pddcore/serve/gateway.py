@@ -1,0 +1,407 @@
+"""The PDD orchestration of one request over stock engine servers.
+
+Per request: estimate how much of the context each MD holds (:mod:`.placement`), let
+:class:`pddcore.router.Router` pick the pipeline, then run it through the engines' own
+HTTP API (:mod:`.upstream`):
+
+* ``P_MD`` — P prefills with ``{"do_remote_decode": true}``; MD decodes with the params P
+  returned, pulling across the WAN only the pages its prefix cache lacks.
+* ``RLD_ONLY`` — the same with RLD as the decoder; nothing crosses the WAN.
+* ``P_RLD_MD`` — P prefills for RLD, which pulls inside the datacenter and streams to the
+  client at once; meanwhile P prefills again (a prefix-cache hit there) for MD's
+  *prefetch*: a one-token request that pulls the pages MD lacks and leaves them in MD's
+  prefix cache. Once MD holds the prompt, :class:`pddcore.handoff.HandoffPolicy` decides
+  at every RLD token: **one-shot** (stop RLD at that token boundary; MD continues with the
+  context plus every token the client has, recomputing the handed-off tokens in one
+  extend pass — its prefix-cache hit plus a prefill of the rest), or **catch-up** (MD runs
+  an extend-only round over the tokens so far while RLD keeps going; then a short final
+  handoff).
+
+Exactly once, in order: the gateway alone decides which engine's tokens reach the client,
+appends each to the request's delivered list, and every continuation starts from exactly
+that list; tokens an engine produced past a handoff point are never forwarded.
+
+Faults: MD unreachable before the handoff (prefetch or extend round fails) -> RLD finishes
+the request. An engine that fails while it streams -> the request continues from its
+delivered tokens: on MD if MD holds the prompt, else P prefills the context so far (a
+prefix-cache hit) for a healthy RLD, or for an MD. P unreachable -> :class:`GatewayError`
+(HTTP 503) before any token. Every engine call has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from ..handoff import HandoffMode, HandoffPolicy, HandoffState
+from ..router import BandwidthEstimator, Pipeline, RouteRequest, Router, RouterConfig
+from .metrics import GatewayMetrics
+from .placement import PrefixIndex, choose_main, least_loaded
+from .upstream import Upstream, UpstreamError
+
+__all__ = ["Gateway", "GatewayConfig", "GatewayError", "RequestTrace"]
+
+log = logging.getLogger("pddcore.serve")
+
+
+class GatewayError(RuntimeError):
+    """A request cannot be served; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """``kv_bytes_per_token`` and ``page_size`` describe the engines' KV (the router prices
+    transfers with them; :meth:`Gateway.discover` reads them from reference engines).
+    ``rld_capacity``: requests one RLD instance decodes at once before it counts as full.
+    ``prefetch_timeout_s``: an MD pull that takes longer leaves the request on RLD.
+    ``md_cache_tokens``: the size of one MD's prefix cache, for the gateway's estimate."""
+
+    kv_bytes_per_token: float
+    page_size: int = 16
+    ttft_slo_s: float = 3.0
+    rld_tpot_s: float = 0.03
+    rld_capacity: int = 8
+    prior_wan_bytes_per_s: float = 1.25e9
+    prior_wan_rtt_s: float = 0.02
+    prefetch_timeout_s: float = 60.0
+    md_cache_tokens: int = 1 << 20
+    policy: HandoffPolicy = field(default_factory=HandoffPolicy)
+
+
+@dataclass
+class RequestTrace:
+    """What happened to one request (the gateway keeps the latest ones for inspection)."""
+
+    rid: str
+    prompt_tokens: int
+    pipeline: str = ""
+    reason: str = ""
+    md_cached_tokens: int = 0
+    sources: list[str] = field(default_factory=list)
+    handoffs: list[tuple[str, int]] = field(default_factory=list)  # (kind, delivered tokens at the handoff)
+    catch_up_rounds: int = 0
+    resumes: list[str] = field(default_factory=list)
+    handoff_gap_s: float | None = None
+    finish_reason: str | None = None
+
+
+class Gateway:
+    """Engines by role and the state that routing reads; :meth:`generate` serves one request."""
+
+    def __init__(self, prefill: Sequence[Upstream], relay: Sequence[Upstream], main: Sequence[Upstream],
+                 config: GatewayConfig, metrics: GatewayMetrics | None = None):
+        if not prefill:
+            raise ValueError("the gateway needs at least one prefill engine")
+        if not relay and not main:
+            raise ValueError("the gateway needs at least one relay or main decode engine")
+        self.prefill, self.relay, self.main = list(prefill), list(relay), list(main)
+        self.config = config
+        self.metrics = metrics or GatewayMetrics()
+        self.router = Router(RouterConfig(kv_bytes_per_token=config.kv_bytes_per_token, ttft_slo_s=config.ttft_slo_s,
+                                          rld_tpot_s=config.rld_tpot_s))
+        self.estimator = BandwidthEstimator(prior_bytes_per_s=config.prior_wan_bytes_per_s,
+                                            prior_rtt_s=config.prior_wan_rtt_s, min_sample_bytes=64 << 10)
+        self.index = PrefixIndex(config.page_size, config.md_cache_tokens)
+        self.traces: dict[str, RequestTrace] = {}
+        self._background: set[asyncio.Task] = set()
+
+    def rld_load(self) -> float:
+        if not self.relay:
+            return float("inf")
+        return sum(u.inflight for u in self.relay) / (self.config.rld_capacity * len(self.relay))
+
+    async def generate(self, prompt: list[int], sampling: dict, *, rid: str | None = None) -> AsyncIterator[list[int]]:
+        """The request's output token ids, in order, each exactly once, in chunks as they come.
+        ``sampling`` uses vLLM's ``sampling_params`` keys (``max_tokens`` required)."""
+        sampling = dict(sampling)
+        if sampling.get("seed") is None:
+            sampling["seed"] = secrets.randbits(63)  # every leg of the request samples from one stream
+        run = _Run(self, rid or uuid.uuid4().hex, list(prompt), sampling)
+        self.traces[run.rid] = run.trace
+        while len(self.traces) > 1024:
+            self.traces.pop(next(iter(self.traces)))
+        async for ids in run.tokens():
+            yield ids
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def keep_running(self, coro) -> None:
+        """Lets ``coro`` finish after its request did (an MD prefetch whose KV the session's
+        next turn will want), without losing track of it."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class _Run:
+    """One request's state while it is served."""
+
+    def __init__(self, gw: Gateway, rid: str, prompt: list[int], sampling: dict):
+        self.gw, self.rid, self.prompt, self.sampling = gw, rid, prompt, sampling
+        self.max_tokens = int(sampling["max_tokens"])
+        self.delivered: list[int] = []
+        self.finished = False
+        self.trace = RequestTrace(rid, len(prompt))
+        self.md: Upstream | None = None
+        self.md_holds = 0  # context tokens MD is known to hold (prefetch and extend rounds done)
+        self.started = time.monotonic()
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self._legs = 0
+
+    # ---- entry --------------------------------------------------------------------------------
+    async def tokens(self) -> AsyncIterator[list[int]]:
+        gw = self.gw
+        self.md, md_cached = choose_main(gw.main, gw.index, self.prompt)
+        pipeline, reason = self._route(md_cached)
+        self.trace.pipeline, self.trace.reason, self.trace.md_cached_tokens = pipeline.value, reason, md_cached
+        gw.metrics.requests.labels(route=pipeline.value).inc()
+        if pipeline is Pipeline.P_MD:
+            stream = self._p_decode(self.md, "MD")
+        elif pipeline is Pipeline.RLD_ONLY:
+            stream = self._p_decode(least_loaded(gw.relay), "RLD")
+        else:
+            stream = self._p_rld_md()
+        async with aclosing(stream) as chunks:
+            async for ids in chunks:
+                yield ids
+        if self.first_at is not None and len(self.delivered) > 1:
+            gw.metrics.tpot.observe((self.last_at - self.first_at) / (len(self.delivered) - 1))
+
+    def _route(self, md_cached: int) -> tuple[Pipeline, str]:
+        gw = self.gw
+        if self.md is None:
+            return Pipeline.RLD_ONLY, "no main decode engine is healthy"
+        if not gw.relay or least_loaded(gw.relay) is None:
+            return Pipeline.P_MD, "no relay decode engine is healthy"
+        link = gw.estimator.estimate(self.md.url)
+        route = gw.router.route(RouteRequest(
+            prompt_tokens=len(self.prompt), md_cached_tokens=md_cached, wan_bytes_per_s=link.bytes_per_s,
+            wan_rtt_s=link.rtt_s, max_output_tokens=self.max_tokens, rld_load=gw.rld_load()))
+        return route.pipeline, (f"{route.reason} (link estimate {link.bytes_per_s * 8 / 1e6:.0f} Mbit/s, "
+                                f"RTT {link.rtt_s * 1e3:.0f} ms)")
+
+    # ---- legs ---------------------------------------------------------------------------------
+    def _leg_id(self, what: str) -> str:
+        self._legs += 1
+        return f"{self.rid}-{what}{self._legs}"
+
+    def _continuation(self) -> tuple[list[int], dict]:
+        return self.prompt + self.delivered, {**self.sampling, "max_tokens": self.max_tokens - len(self.delivered)}
+
+    async def _prefill(self, context: list[int]) -> dict:
+        """P prefills ``context`` and keeps its KV for one pull; returns the pull's params."""
+        tried: list[Upstream] = []
+        while (p := least_loaded(self.gw.prefill, tried)) is not None:
+            tried.append(p)
+            try:
+                answer = await p.generate(self._leg_id("p"), context, {**self.sampling, "max_tokens": 1},
+                                          {"do_remote_decode": True})
+            except UpstreamError as e:
+                self.gw.metrics.upstream_errors.labels(role="prefill").inc()
+                log.warning("%s: %s", self.rid, e)
+                if not e.unreachable:  # the engine refused the request itself: a 4xx is the client's to fix
+                    raise GatewayError(400 if e.status and 400 <= e.status < 500 else 502, str(e)) from None
+                continue
+            if not answer.kv_transfer_params:
+                raise GatewayError(502, f"prefill engine {p.url} returned no kv_transfer_params: is its KV "
+                                        "connector configured as a producer?")
+            return answer.kv_transfer_params
+        raise GatewayError(503, f"no prefill engine is reachable ({', '.join(u.url for u in self.gw.prefill)})")
+
+    def _deliver(self, ids: list[int], source: str) -> list[int]:
+        ids = ids[:self.max_tokens - len(self.delivered)]
+        now = time.monotonic()
+        if ids and self.first_at is None:
+            self.first_at = now
+            self.gw.metrics.ttft.observe(now - self.started)
+        if ids:
+            self.last_at = now
+        self.delivered += ids
+        self.trace.sources += [source] * len(ids)
+        self.gw.metrics.tokens.labels(source=source).inc(len(ids))
+        return ids
+
+    async def _stream(self, engine: Upstream, source: str, kv: dict | None = None) -> AsyncIterator[list[int]]:
+        """Streams the continuation of the delivered tokens from ``engine`` until it finishes."""
+        context, sampling = self._continuation()
+        async with aclosing(engine.stream(self._leg_id(source.lower()), context, sampling, kv)) as chunks:
+            async for ids, finish in chunks:
+                ids = self._deliver(ids, source)
+                if ids:
+                    yield ids
+                if finish or len(self.delivered) >= self.max_tokens:
+                    self._finish(finish or "length")
+                    return
+
+    def _finish(self, reason: str) -> None:
+        self.finished = True
+        self.trace.finish_reason = reason
+
+    async def _p_decode(self, decoder: Upstream | None, source: str) -> AsyncIterator[list[int]]:
+        """P prefills, ``decoder`` pulls and decodes; a failure continues elsewhere."""
+        if decoder is None:
+            raise GatewayError(503, f"no {source} engine is reachable")
+        kv = await self._prefill(self.prompt)
+        started = time.monotonic()
+        try:
+            async with aclosing(self._stream(decoder, source, kv)) as chunks:
+                async for ids in chunks:
+                    if source == "MD" and self.md_holds == 0:
+                        self._md_pulled(started)
+                    yield ids
+            if source == "MD":
+                self.gw.index.record(decoder, self.prompt + self.delivered[:-1])
+        except UpstreamError as e:
+            self._upstream_failed(e)
+            async for ids in self._resume(f"{source} failed"):
+                yield ids
+
+    def _md_pulled(self, started: float) -> None:
+        """MD holds the prompt now: account the WAN bytes and feed the link estimate."""
+        tokens = len(self.prompt) - self.trace.md_cached_tokens
+        nbytes = int(tokens * self.gw.config.kv_bytes_per_token)
+        self.md_holds = len(self.prompt)
+        self.gw.metrics.wan_bytes.inc(nbytes)
+        self.gw.estimator.observe(self.md.url, nbytes, max(time.monotonic() - started, 1e-6))
+        self.gw.index.record(self.md, self.prompt)
+
+    async def _prefetch(self) -> bool:
+        """P prefills for MD, MD pulls what it lacks and keeps it; True once MD holds the prompt."""
+        try:
+            kv = await self._prefill(self.prompt)
+            started = time.monotonic()
+            await asyncio.wait_for(self.md.generate(self._leg_id("md-prefetch"), self.prompt,
+                                                    {**self.sampling, "max_tokens": 1}, kv),
+                                   self.gw.config.prefetch_timeout_s)
+        except (UpstreamError, GatewayError, asyncio.TimeoutError) as e:
+            log.warning("%s: MD prefetch failed, the request stays on RLD: %s", self.rid, e)
+            self.gw.metrics.upstream_errors.labels(role="main").inc()
+            return False
+        self._md_pulled(started)
+        return True
+
+    async def _extend_round(self, upto: int) -> int:
+        """MD computes the KV of the context plus the first ``upto`` delivered tokens (one
+        extend pass over what its cache lacks) and keeps it; returns the tokens it holds."""
+        context = self.prompt + self.delivered[:upto]
+        await self.md.generate(self._leg_id("md-extend"), context, {**self.sampling, "max_tokens": 1})
+        self.gw.index.record(self.md, context)
+        return len(context)
+
+    async def _p_rld_md(self) -> AsyncIterator[list[int]]:
+        gw, policy = self.gw, self.gw.config.policy
+        rld = least_loaded(gw.relay)
+        kv = await self._prefill(self.prompt)
+        prefetch = asyncio.ensure_future(self._prefetch())
+        extend: asyncio.Task | None = None
+        final: HandoffMode | None = None
+        try:
+            try:
+                async with aclosing(self._stream(rld, "RLD", kv)) as rld_tokens:
+                    async for ids in rld_tokens:
+                        yield ids
+                        if extend is not None and extend.done():
+                            if extend.exception() is None:
+                                self.md_holds = extend.result()
+                                self.trace.catch_up_rounds += 1
+                                gw.metrics.catch_up_rounds.inc()
+                            else:
+                                log.warning("%s: MD's extend round failed, the request stays on RLD: %s", self.rid,
+                                            extend.exception())
+                                prefetch = None  # no more handoffs
+                            extend = None
+                        if extend is not None or prefetch is None or not prefetch.done() or not prefetch.result():
+                            continue
+                        decision = policy.decide(HandoffState(
+                            backlog_tokens=len(self.prompt) + len(self.delivered) - self.md_holds, md_ready=True,
+                            rld_load=gw.rld_load(), rounds_done=self.trace.catch_up_rounds))
+                        if decision.final:
+                            final = decision.mode
+                            break
+                        extend = asyncio.ensure_future(self._extend_round(len(self.delivered)))
+            except UpstreamError as e:
+                self._upstream_failed(e)
+                if prefetch is not None and prefetch.done() and prefetch.result():
+                    final = HandoffMode.ONE_SHOT
+                    self.trace.resumes.append("RLD failed: handed off to MD")
+                    gw.metrics.resumes.labels(reason="rld_failed").inc()
+                else:
+                    async for ids in self._resume("RLD failed"):
+                        yield ids
+                    return
+        finally:
+            if extend is not None:
+                extend.cancel()
+            if prefetch is not None and not prefetch.done():
+                if self.finished:
+                    gw.keep_running(prefetch)  # MD keeps the KV for the session's next turn
+                else:
+                    prefetch.cancel()
+        if final is None or self.finished:
+            return
+        async for ids in self._handoff(final):
+            yield ids
+
+    async def _handoff(self, mode: HandoffMode) -> AsyncIterator[list[int]]:
+        """RLD stopped at the last delivered token; MD continues from there."""
+        kind = "one_shot" if mode is HandoffMode.ONE_SHOT else "catch_up"
+        self.trace.handoffs.append((kind, len(self.delivered)))
+        self.gw.metrics.handoffs.labels(kind=kind).inc()
+        last_rld = self.last_at
+        try:
+            async with aclosing(self._stream(self.md, "MD")) as chunks:
+                async for ids in chunks:
+                    if self.trace.handoff_gap_s is None and last_rld is not None:
+                        self.trace.handoff_gap_s = time.monotonic() - last_rld
+                        self.gw.metrics.handoff_gap.observe(self.trace.handoff_gap_s)
+                    yield ids
+            self.gw.index.record(self.md, self.prompt + self.delivered[:-1])
+        except UpstreamError as e:
+            self._upstream_failed(e)
+            async for ids in self._resume("MD failed after the handoff"):
+                yield ids
+
+    async def _resume(self, why: str) -> AsyncIterator[list[int]]:
+        """Continues from the delivered tokens after an engine failed: P prefills the context
+        so far (its prefix cache holds the prompt) for a healthy RLD, else for an MD."""
+        gw = self.gw
+        while not self.finished and len(self.delivered) < self.max_tokens:
+            decoder, source = least_loaded(gw.relay), "RLD"
+            if decoder is None:
+                self.md, _ = choose_main(gw.main, gw.index, self.prompt)
+                decoder, source = self.md, "MD"
+            if decoder is None:
+                raise GatewayError(503, f"{why} and no decode engine is reachable")
+            self.trace.resumes.append(f"{why}: resumed on {source} at token {len(self.delivered)}")
+            gw.metrics.resumes.labels(reason=why.split(" ")[0].lower() + "_failed").inc()
+            context, _ = self._continuation()
+            kv = await self._prefill(context)
+            try:
+                async with aclosing(self._stream(decoder, source, kv)) as chunks:
+                    async for ids in chunks:
+                        yield ids
+            except UpstreamError as e:
+                self._upstream_failed(e)
+                why = f"{source} failed"
+        if not self.finished:
+            self._finish("length")
+
+    def _upstream_failed(self, e: UpstreamError) -> None:
+        log.warning("%s: %s (delivered %d tokens)", self.rid, e, len(self.delivered))
+        self.gw.metrics.upstream_errors.labels(role=e.upstream.role).inc()
+        if e.upstream.role == "main":
+            self.gw.index.forget(e.upstream)

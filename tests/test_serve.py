@@ -1,0 +1,275 @@
+"""`pddcore serve` end to end: the official `openai` client against the gateway over real
+reference engine processes (`pddcore engine`) on loopback. Every output is compared with
+one engine generating the same request alone (the oracle)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import openai
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve_cluster import engine, gateway, wait_for
+
+MODEL = "pddcore-reference"
+
+
+@pytest.fixture(scope="module")
+def engines():
+    procs = {name: engine(role) for name, role in
+             (("oracle", "decode"), ("p", "prefill"), ("rld", "decode"), ("md", "decode"))}
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+# Router settings that pin each pipeline (the embedded model's KV is 8 KiB per token):
+ROUTES = {
+    # MD's KV is ready within any TTFT budget: P -> MD.
+    "P_MD": ["--ttft-slo-s", "1000"],
+    # MD's KV misses a tiny budget, RLD decodes first; a large threshold makes the handoff one-shot.
+    "P_RLD_MD": ["--ttft-slo-s", "0.001", "--wan-mbps", "100", "--catch-up-threshold", "100000"],
+    # The same with threshold 0: any backlog is caught up while RLD decodes, then a final handoff.
+    "CATCH_UP": ["--ttft-slo-s", "0.001", "--wan-mbps", "100", "--catch-up-threshold", "0"],
+    # RLD tokens priced so cheap that RLD finishes before MD's KV would land: nothing crosses the WAN.
+    "RLD_ONLY": ["--ttft-slo-s", "0.001", "--rld-tpot-s", "1e-7"],
+}
+
+
+@pytest.fixture(scope="module")
+def gateways(engines):
+    e = engines
+    procs = {name: gateway([e["p"].url], [e["rld"].url], [e["md"].url], *args) for name, args in ROUTES.items()}
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+def prompt_of(rng: random.Random, n: int | None = None) -> list[int]:
+    return [rng.randrange(16, 4096) for _ in range(n or rng.randrange(37, 140))]
+
+
+def oracle(engines, prompt: list[int], max_tokens: int, *, temperature: float = 0.0, seed: int | None = None):
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
+    if seed is not None:
+        sampling["seed"] = seed
+    r = requests.post(engines["oracle"].url + "/inference/v1/generate",
+                      json={"token_ids": prompt, "sampling_params": sampling}, timeout=120)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def client(gw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def stream_tokens(gw, prompt, max_tokens: int, *, on_tokens=None, **kwargs) -> tuple[list[int], str, dict]:
+    """Streams a completion with the openai client; returns (token ids, text, the gateway's trace)."""
+    ids, text, rid = [], "", None
+    stream = client(gw).completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                           temperature=kwargs.pop("temperature", 0.0),
+                                           extra_body={"return_token_ids": True, "ignore_eos": True}, **kwargs)
+    for chunk in stream:
+        rid = chunk.id
+        ids += chunk.choices[0].token_ids or []
+        text += chunk.choices[0].text
+        if on_tokens is not None:
+            on_tokens(ids)
+    return ids, text, gw.get(f"/pdd/requests/{rid}")
+
+
+@pytest.mark.parametrize("route", ["P_MD", "P_RLD_MD", "RLD_ONLY"])
+def test_openai_stream_is_one_engines_output_on_every_route(engines, gateways, route):
+    rng = random.Random(route)
+    prompt = prompt_of(rng)
+    ids, _, trace = stream_tokens(gateways[route], prompt, 160)
+    assert trace["pipeline"] == route, trace["reason"]
+    assert ids == oracle(engines, prompt, 160)
+    sources = trace["sources"]
+    if route == "P_RLD_MD":
+        assert [h[0] for h in trace["handoffs"]] == ["one_shot"], trace
+        at = trace["handoffs"][0][1]
+        assert sources == ["RLD"] * at + ["MD"] * (160 - at)  # one switch, at the handoff point
+        assert 0 < at < 160 and trace["handoff_gap_s"] > 0
+    else:
+        assert set(sources) == {"MD" if route == "P_MD" else "RLD"}
+
+
+def test_catch_up_rounds_then_a_final_handoff(engines, gateways):
+    prompt = prompt_of(random.Random(7), 90)
+    ids, _, trace = stream_tokens(gateways["CATCH_UP"], prompt, 240)
+    assert ids == oracle(engines, prompt, 240)
+    assert trace["catch_up_rounds"] >= 1 and [h[0] for h in trace["handoffs"]] == ["catch_up"], trace
+    assert trace["sources"][-1] == "MD"
+
+
+def test_sampled_continuation_keeps_the_seeded_stream(engines, gateways):
+    prompt = prompt_of(random.Random(11))
+    ids, _, trace = stream_tokens(gateways["P_RLD_MD"], prompt, 150, temperature=0.9, seed=1234)
+    assert trace["handoffs"], trace
+    assert ids == oracle(engines, prompt, 150, temperature=0.9, seed=1234)
+
+
+def test_text_prompts_chat_and_whole_answers(engines, gateways):
+    gw, oracle_url = gateways["P_MD"], engines["oracle"].url
+    whole = client(gw).completions.create(model=MODEL, prompt="The WAN is slow, so", max_tokens=12,
+                                          temperature=0, extra_body={"return_token_ids": True})
+    prompt_ids = requests.post(oracle_url + "/tokenize", json={"prompt": "The WAN is slow, so"}).json()["tokens"]
+    choice = whole.choices[0]
+    assert choice.prompt_token_ids == prompt_ids
+    assert choice.token_ids == oracle(engines, prompt_ids, 12)[:len(choice.token_ids)]
+    assert choice.text == requests.post(oracle_url + "/detokenize", json={"tokens": choice.token_ids}).json()["prompt"]
+    assert whole.usage.prompt_tokens == len(prompt_ids) and whole.usage.completion_tokens == len(choice.token_ids)
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo, wörld"}]
+    chat_ids = requests.post(oracle_url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    expected = oracle(engines, chat_ids, 20)
+    chat = client(gw).chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert chat.choices[0].token_ids == expected
+    streamed, content = [], ""
+    for chunk in client(gw).chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True},
+                                                    extra_body={"return_token_ids": True, "ignore_eos": True}):
+        if chunk.choices:
+            streamed += chunk.choices[0].token_ids or []
+            content += chunk.choices[0].delta.content or ""
+        else:
+            assert chunk.usage.completion_tokens == 20
+    assert streamed == expected and content == chat.choices[0].message.content
+
+
+def test_follow_up_turn_pulls_only_the_suffix(engines, gateways):
+    gw, md = gateways["P_MD"], engines["md"]
+    info = engines["p"].get("/pdd/info")
+    page, page_bytes = info["page_size"], int(info["kv_bytes_per_token"] * info["page_size"])
+    rng = random.Random(3)
+    turn1 = prompt_of(rng, 101)
+    out1, _, trace1 = stream_tokens(gw, turn1, 30)
+    assert trace1["md_cached_tokens"] == 0
+    turn2 = turn1 + out1 + prompt_of(rng, 23)
+    before = md.get("/pdd/state")["bytes_received"]
+    out2, _, trace2 = stream_tokens(gw, turn2, 30)
+    held = (len(turn1) + len(out1) - 1) // page * page  # MD cached turn 1's whole pages (last token: no KV)
+    assert trace2["md_cached_tokens"] == held
+    assert f"MD lacks {len(turn2) - held} of {len(turn2)} tokens" in trace2["reason"]
+    pulled = md.get("/pdd/state")["bytes_received"] - before
+    assert pulled == ((len(turn2) - 1) // page - held // page) * page_bytes  # only the suffix crossed
+    assert out2 == oracle(engines, turn2, 30)
+
+
+def test_metrics_are_prometheus_text_and_count_what_happened(engines):
+    e = engines
+    gw = gateway([e["p"].url], [e["rld"].url], [e["md"].url], *ROUTES["P_MD"])
+    try:
+        rng = random.Random(5)
+        for _ in range(3):
+            stream_tokens(gw, prompt_of(rng), 8)
+        requests.post(gw.url + "/v1/completions", json={"prompt": [], "max_tokens": 3}, timeout=30)
+        text = requests.get(gw.url + "/metrics", timeout=30).text
+    finally:
+        gw.stop()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert value["pddcore_requests_total", (("route", "P_MD"),)] == 3
+    assert value["pddcore_request_errors_total", (("kind", "bad_request"),)] == 1
+    assert value["pddcore_ttft_seconds_count", ()] == 3
+    assert value["pddcore_tokens_total", (("source", "MD"),)] == 24
+    assert value["pddcore_wan_kv_bytes_total", ()] > 0
+    assert families["pddcore_ttft_seconds"].type == "histogram"
+
+
+@pytest.mark.parametrize("body, words", [
+    ("not json", "not valid JSON"),
+    ({"max_tokens": 4}, "'prompt'"),
+    ({"prompt": [20, 21], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [20, 21], "stop": ["\n"]}, "stop strings"),
+    ({"prompt": [20, 21], "n": 2}, "n=1"),
+    ({"prompt": [20, 99999], "max_tokens": 2}, "token ids must be in"),
+    ({"prompt": [20, "x"]}, "token ids"),
+])
+def test_bad_requests_get_a_400_that_says_why(gateways, body, words):
+    url = gateways["P_MD"].url + "/v1/completions"
+    r = requests.post(url, data=body, timeout=30) if isinstance(body, str) else requests.post(url, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_bad_chat_request_raises_in_the_openai_client(gateways):
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client(gateways["P_MD"]).chat.completions.create(model=MODEL, messages=[{"role": "user"}])
+
+
+def test_client_disconnect_cancels_the_engine_request(engines, gateways):
+    rld = engines["rld"]
+    before = rld.get("/pdd/state")["cancelled"]
+    with requests.post(gateways["RLD_ONLY"].url + "/v1/completions", stream=True, timeout=60,
+                       json={"prompt": prompt_of(random.Random(9)), "max_tokens": 5000, "ignore_eos": True,
+                             "stream": True, "temperature": 0}) as r:
+        lines = r.iter_lines()
+        got = [line for line in (next(lines) for _ in range(6)) if line]
+        assert got and json.loads(got[0][5:])["choices"]
+    state = wait_for(lambda: (s := rld.get("/pdd/state"))["cancelled"] > before and s["running"] == 0 and s,
+                     "RLD to drop the abandoned request")
+    assert state["generated_tokens"] < state["prompt_tokens"] + 5000
+
+
+# ---- faults, each on engines of its own -------------------------------------------------------
+@pytest.fixture
+def spare(engines):
+    """A fresh decode engine that a test may kill."""
+    proc = engine("decode")
+    yield proc
+    proc.stop()
+
+
+def test_md_killed_mid_stream_resumes_on_rld(engines, spare):
+    gw = gateway([engines["p"].url], [engines["rld"].url], [spare.url], *ROUTES["P_MD"])
+    try:
+        prompt = prompt_of(random.Random(13))
+        ids, _, trace = stream_tokens(gw, prompt, 200, on_tokens=lambda got: len(got) >= 20 and
+                                      spare.proc.poll() is None and spare.kill())
+    finally:
+        gw.stop()
+    assert ids == oracle(engines, prompt, 200)
+    assert trace["resumes"] and trace["sources"][0] == "MD" and trace["sources"][-1] == "RLD", trace
+
+
+def test_rld_killed_before_the_handoff_continues_on_md(engines, spare):
+    gw = gateway([engines["p"].url], [spare.url], [engines["md"].url], *ROUTES["RLD_ONLY"])
+    try:
+        prompt = prompt_of(random.Random(17))
+        ids, _, trace = stream_tokens(gw, prompt, 120, on_tokens=lambda got: len(got) >= 15 and
+                                      spare.proc.poll() is None and spare.kill())
+    finally:
+        gw.stop()
+    assert ids == oracle(engines, prompt, 120)
+    assert trace["resumes"] and trace["sources"][0] == "RLD" and trace["sources"][-1] == "MD", trace
+
+
+@pytest.mark.parametrize("how", ["unreachable", "pull_timeout"])
+def test_md_that_cannot_take_over_leaves_the_request_on_rld(engines, how):
+    main = "http://127.0.0.1:1" if how == "unreachable" else engines["md"].url
+    extra = ["--prefetch-timeout-s", "0.001"] if how == "pull_timeout" else []
+    gw = gateway([engines["p"].url], [engines["rld"].url], [main], *ROUTES["P_RLD_MD"], *extra)
+    try:
+        prompt = prompt_of(random.Random(how))
+        ids, _, trace = stream_tokens(gw, prompt, 80)
+    finally:
+        gw.stop()
+    assert trace["pipeline"] == "P_RLD_MD" and not trace["handoffs"]
+    assert ids == oracle(engines, prompt, 80) and set(trace["sources"]) == {"RLD"}
+
+
+def test_prefill_down_is_a_clear_error(engines):
+    gw = gateway(["http://127.0.0.1:1"], [engines["rld"].url], [engines["md"].url], "--kv-bytes-per-token", "8192",
+                 "--page-size", "16")
+    try:
+        with pytest.raises(openai.APIStatusError, match="no prefill engine is reachable") as caught:
+            client(gw).completions.create(model=MODEL, prompt=[20, 21, 22], max_tokens=4, stream=True)
+        assert caught.value.status_code == 503
+    finally:
+        gw.stop()
