@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from pddcore import bench_cli
 from pddcore import _C
 from pddcore.benchmarks import crc_cases, extend_cases, handoff_cases, loss_cases, radix_cases, stream_cases
+from pddcore.benchmarks.plots import write_plots
 from pddcore.cli import main
 from pddcore.testing.wan import unavailable_reason
 
@@ -112,7 +112,7 @@ def test_extend_sweep_points_and_plot(tmp_path):
     results = extend_cases.extend_sweep((1, 5), prefix_len=32, repeats=1)  # checks extend == decode logits
     assert [r.new_tokens for r in results] == [1, 5]
     data = {"extend": {"points": [r.as_dict() for r in results]}}
-    assert bench_cli.write_plots(data, str(tmp_path)) == [str(tmp_path / "extend.png")]
+    assert write_plots(data, str(tmp_path)) == [str(tmp_path / "extend.png")]
     _png(str(tmp_path / "extend.png"))
 
 
@@ -131,7 +131,7 @@ def test_handoff_case_few_trials(tmp_path):
     assert all(s >= t for s, t in zip(r.kv.samples_ms, r.kv.transport_ms))
     assert r.bulk_gbps > 0
     data = {"handoff": {"models": [r.as_dict()], "report": handoff_cases.REPORT}}
-    assert bench_cli.write_plots(data, str(tmp_path)) == [str(tmp_path / "handoff.png")]
+    assert write_plots(data, str(tmp_path)) == [str(tmp_path / "handoff.png")]
     _png(str(tmp_path / "handoff.png"))
 
 

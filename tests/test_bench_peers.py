@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from pddcore import bench_cli
+from pddcore.benchmarks import cli as bench_cli
 from pddcore.benchmarks import peer_cases
 from pddcore.benchmarks.peer_cases import Measurement, PeerResult, PeersReport
 from pddcore.testing.wan import unavailable_reason

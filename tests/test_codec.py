@@ -607,7 +607,7 @@ def test_bench_wan_frames_rebuild_md_pages_across_the_emulated_link():
     """The WAN phase of the codec bench at CI size: MD's pool pages hold exactly P's bytes
     after each lossless codec (and not after fp8: the comparison can tell), zstd puts
     fewer bytes than the raw bfloat16 KV on the wire, and every frame crossed the delay."""
-    from pddcore import bench_cli
+    from pddcore.benchmarks import cli as bench_cli
     from pddcore.benchmarks import codec_cases
 
     cfg = codec_cases.MODELS["embedded"]

@@ -12,7 +12,7 @@ COMMANDS = {
     "info": ("pddcore.info", "show version, compiled parts and usable devices"),
     "demo": ("pddcore.deploy.cli", "run the reference PDD deployment: cross-DC PD vs PDD on an emulated WAN"),
     "wan": ("pddcore.testing.wan_cli", "emulated WAN link between two network namespaces (up, down, status)"),
-    "bench": ("pddcore.bench_cli", "microbenchmarks with ratios to in-run baselines, results.json and plots"),
+    "bench": ("pddcore.benchmarks.cli", "microbenchmarks with ratios to in-run baselines, results.json and plots"),
     "sim": ("pddcore.sim.cli", "cluster simulator and cost model: same-DC PD vs cross-DC PD vs PDD"),
     "serve": ("pddcore.serve.cli", "OpenAI-compatible PDD gateway in front of prefill, relay and main decode engines"),
     "engine": ("pddcore.engine.cli", "reference engine server (vLLM's HTTP dialect) over the CPU reference model"),

@@ -1,6 +1,6 @@
 """`pddcore bench`: the microbenchmark suite on this machine, with a progress bar, a
 results table (each ratio beside its in-run baseline), ``results.json`` with machine
-info, and PNG plots.
+info, and PNG plots (:mod:`pddcore.benchmarks.plots`).
 
 Cases (``--cases``, comma-separated; default all):
 
@@ -43,8 +43,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from .benchmarks import (codec_cases, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, peer_cases,
-                         radix_cases, rdma_cases, stream_cases, tls_cases, transfer_cases)
+from . import (codec_cases, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, peer_cases, radix_cases,
+               rdma_cases, stream_cases, tls_cases, transfer_cases)
+from .plots import write_plots
 
 CASES = ("pack", "transfer", "tls", "wan", "loss", "peers", "wan10g", "stream", "handoff", "extend", "radix", "codec")
 
@@ -122,7 +123,7 @@ def case_transfer(quick: bool, backend: str) -> CaseOutput:
 
 
 def _need_wan() -> None:
-    from .testing.wan import unavailable_reason
+    from ..testing.wan import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
@@ -153,7 +154,7 @@ def case_wan(quick: bool, backend: str) -> CaseOutput:
     _need_wan()
     if backend != "tcp":
         raise Skipped("the WAN path is tcp")
-    from .benchmarks import wan_cases
+    from . import wan_cases
 
     if quick:
         r = _in_fresh_process(transfer_cases.wan_case, rate="200mbit", delay_ms=10, nbytes=128 << 20, probes=10,
@@ -211,7 +212,7 @@ def case_wan10g(quick: bool, backend: str) -> CaseOutput:
     _need_wan()
     if backend != "tcp":
         raise Skipped("the WAN path is tcp")
-    from .benchmarks import wan_cases
+    from . import wan_cases
 
     delays = (10,) if quick else (10, 25)
     results, ceilings = [], []
@@ -299,7 +300,7 @@ def case_tls(quick: bool, backend: str) -> CaseOutput:
     cipher = tls_cases.cipher_gbps((256 << 20) if quick else (1 << 30))
     rows.append(Row("tls", "AES-128-GCM seal, one core", cipher, "10 Gbit/s line", 1.25, "GB/s"))
     text = tls_cases.format_table(results)
-    from .testing.wan import unavailable_reason
+    from ..testing.wan import unavailable_reason
 
     reason = unavailable_reason()
     if reason is None:
@@ -336,7 +337,7 @@ def case_codec(quick: bool, backend: str) -> CaseOutput:
     rows += [Row("codec", f"{g.arm} KV: identical greedy requests", g.identical, "requests", g.requests, "")
              for g in report.greedy]
     data, text = report.as_dict(), codec_cases.format_report(report)
-    from .testing.wan import unavailable_reason
+    from ..testing.wan import unavailable_reason
 
     reason = unavailable_reason()
     if reason is None:
@@ -374,7 +375,7 @@ RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {
 
 def machine_info() -> dict:
     """pddcore.info.collect() plus the CPU model and the kernel."""
-    from .info import collect
+    from ..info import collect
 
     facts = collect()
     facts["cpu_model"] = _cpu_model()
@@ -401,82 +402,6 @@ def format_rows(rows: list[Row]) -> str:
         lines.append(f"{r.case:<9}{r.what[:45]:<46}{r.value:>12.4g} {r.unit:<7}{r.baseline:>12.4g}  "
                      f"{r.baseline_name[:17]:<18}{r.ratio:>8.3g}x")
     return "\n".join(lines)
-
-
-def write_plots(cases: dict, out_dir: str) -> list[str]:
-    """One PNG per case that has a curve or a distribution; returns the paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-
-    def save(fig, name):
-        path = os.path.join(out_dir, name)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-
-    if "points" in cases.get("pack", {}):
-        pts = cases["pack"]["points"]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for threads in sorted({p["threads"] for p in pts}):
-            sel = [p for p in pts if p["threads"] == threads]
-            x = [p["page_bytes"] / 1024 for p in sel]
-            ax.plot(x, [p["pack_gbps"] for p in sel], "o-", label=f"pack, {threads} thr")
-            ax.plot(x, [p["unpack_gbps"] for p in sel], "s--", label=f"unpack, {threads} thr")
-            ax.plot(x, [p["copy_gbps"] for p in sel], "k:", marker="x", label=f"copy_ baseline, {threads} thr")
-        ax.set(xscale="log", xlabel="page size (KiB)", ylabel="GB/s", title="pack / unpack vs contiguous copy")
-        ax.legend(fontsize=7)
-        save(fig, "pack.png")
-
-    if "points" in cases.get("transfer", {}):
-        pts = cases["transfer"]["points"]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for streams in sorted({p["streams"] for p in pts}):
-            sel = sorted((p for p in pts if p["streams"] == streams), key=lambda p: p["chunk_bytes"])
-            x = [p["chunk_bytes"] / 1024 for p in sel]
-            line, = ax.plot(x, [p["engine_gbps"] for p in sel], "o-", label=f"engine, {streams} streams")
-            ax.plot(x, [p["raw_gbps"] for p in sel], "x:", color=line.get_color(), label=f"raw socket, {streams}")
-        ax.set(xscale="log", xlabel="chunk size (KiB)", ylabel="GB/s",
-               title=f"TransferEngine ({cases['transfer']['backend']}) vs raw sockets, loopback")
-        ax.legend(fontsize=7)
-        save(fig, "transfer.png")
-
-    if "models" in cases.get("handoff", {}):
-        models = cases["handoff"]["models"]
-        report = cases["handoff"]["report"]
-        cols = min(2, len(models))
-        rows_ = -(-len(models) // cols)
-        fig, axes = plt.subplots(rows_, cols, figsize=(6 * cols, 4 * rows_), squeeze=False)
-        for ax, m in zip(axes.flat, models):
-            for key, label, color in (("kv", "(a) KV: pack + write + unpack", "tab:red"),
-                                      ("ids", "(b) token ids + extend", "tab:blue")):
-                s = sorted(m[key]["samples_ms"])
-                ax.step(s, [(i + 1) / len(s) for i in range(len(s))], where="post", color=color,
-                        label=f"{label} ({m[key]['payload_bytes'] / 1024:.1f} KB)")
-                ax.axvline(report[key]["mean_ms"], color=color, ls=":", lw=1, label=f"report mean {key}")
-            load = "background bulk" if m["background_bulk"] else "idle link"
-            ax.set(xlabel="handoff latency (ms)", ylabel="fraction of trials",
-                   title=f"'{m['model']}' model, {load}, {m['kv']['trials']} trials each", xscale="log")
-            ax.legend(fontsize=7, loc="lower right")
-        for ax in axes.flat[len(models):]:
-            ax.axis("off")
-        save(fig, "handoff.png")
-
-    if "points" in cases.get("extend", {}):
-        pts = cases["extend"]["points"]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        x = [p["new_tokens"] for p in pts]
-        ax.plot(x, [1000 * p["extend_s"] for p in pts], "o-", label="one extend pass")
-        ax.plot(x, [1000 * p["decode_steps_s"] for p in pts], "x:", label="N decode steps (baseline)")
-        ax.set(xscale="log", yscale="log", xlabel="handed-off tokens N", ylabel="ms",
-               title="recompute on the embedded model (CPU, float64)")
-        ax.legend()
-        save(fig, "extend.png")
-    return written
 
 
 # ---- command ----------------------------------------------------------------------------
