@@ -273,3 +273,26 @@ def test_prefill_down_is_a_clear_error(engines):
         assert caught.value.status_code == 503
     finally:
         gw.stop()
+
+
+def test_sessions_stay_on_the_md_that_holds_their_prefix(engines, spare):
+    """Two MDs: a session's follow-up turns go where its history is cached, and load
+    spreads the sessions' first turns over both."""
+    e = engines
+    gw = gateway([e["p"].url], [e["rld"].url], [e["md"].url, spare.url], *ROUTES["P_MD"])
+    try:
+        rng = random.Random(19)
+        sessions = [prompt_of(rng, 70) for _ in range(4)]
+        firsts, follow_ups = [], []
+        for turn1 in sessions:
+            out, _, trace = stream_tokens(gw, turn1, 10)
+            firsts.append(trace["md"])
+            turn2 = turn1 + out + prompt_of(rng, 9)
+            out2, _, trace2 = stream_tokens(gw, turn2, 10)
+            follow_ups.append((trace2["md"], trace2["md_cached_tokens"] == (len(turn1) + len(out) - 1) // 16 * 16))
+            assert out2 == oracle(engines, turn2, 10)
+    finally:
+        gw.stop()
+    assert [md for md, _ in follow_ups] == firsts
+    assert all(held for _, held in follow_ups)  # the estimate: turn 1's whole pages
+    assert set(firsts) == {e["md"].url, spare.url}

@@ -86,6 +86,7 @@ class RequestTrace:
     prompt_tokens: int
     pipeline: str = ""
     reason: str = ""
+    md: str | None = None  # the MD chosen for the request (its URL)
     md_cached_tokens: int = 0
     sources: list[str] = field(default_factory=list)
     handoffs: list[tuple[str, int]] = field(default_factory=list)  # (kind, delivered tokens at the handoff)
@@ -168,6 +169,7 @@ class _Run:
         self.md, md_cached = choose_main(gw.main, gw.index, self.prompt)
         pipeline, reason = self._route(md_cached)
         self.trace.pipeline, self.trace.reason, self.trace.md_cached_tokens = pipeline.value, reason, md_cached
+        self.trace.md = self.md.url if self.md is not None and pipeline is not Pipeline.RLD_ONLY else None
         gw.metrics.requests.labels(route=pipeline.value).inc()
         if pipeline is Pipeline.P_MD:
             stream = self._p_decode(self.md, "MD")

@@ -60,18 +60,26 @@ class PrefixIndex:
         self._trees.pop(md.url, None)
 
 
+def _picked(upstream: Upstream | None) -> Upstream | None:
+    if upstream is not None:
+        upstream.picks += 1
+    return upstream
+
+
 def least_loaded(upstreams: Sequence[Upstream], exclude: Sequence[Upstream] = ()) -> Upstream | None:
-    """The healthy upstream with the fewest calls in flight (None when none is healthy)."""
+    """The healthy upstream with the fewest calls in flight, the least often picked among
+    equals (None when none is healthy)."""
     live = [u for u in upstreams if u.healthy and u not in exclude]
-    return min(live, key=lambda u: u.inflight) if live else None
+    return _picked(min(live, key=lambda u: (u.inflight, u.picks))) if live else None
 
 
 def choose_main(mains: Sequence[Upstream], index: PrefixIndex, tokens: Sequence[int]) -> tuple[Upstream | None, int]:
     """The healthy MD with the longest estimated cached prefix of ``tokens`` (ties: the least
-    loaded), so a session stays on the MD that holds its history; and that prefix length."""
+    loaded, then the least often picked), so a session stays on the MD that holds its
+    history and new sessions spread; and that prefix length."""
     live = [u for u in mains if u.healthy]
     if not live:
         return None, 0
-    scored = [(index.cached_tokens(u, tokens), -u.inflight, u) for u in live]
-    cached, _, best = max(scored, key=lambda s: (s[0], s[1]))
-    return best, cached
+    cached, best = max(((index.cached_tokens(u, tokens), u) for u in live),
+                       key=lambda s: (s[0], -s[1].inflight, -s[1].picks))
+    return _picked(best), cached

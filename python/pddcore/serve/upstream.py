@@ -59,6 +59,7 @@ class Upstream:
         self.down_s = down_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.inflight = 0
+        self.picks = 0  # times routing chose this engine
         self.down_until = 0.0
 
     @property
