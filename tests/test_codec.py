@@ -547,20 +547,20 @@ def test_docstring_example_runs(module):
 
 
 def test_bench_greedy_harness_matches_generate_and_really_quantizes():
-    from pddcore.benchmarks import codec_cases
+    from pddcore.benchmarks import codec_greedy, codec_kv
     from pddcore.model import generate
 
     model = Model.default(seed=0)
     prompts = [[(7 * i + 3) % 4096 for i in range(37)], [(11 * i + 1) % 4096 for i in range(16)]]
-    runs = codec_cases._decode_arms(model, prompts, [6, 3])
+    runs = codec_greedy._decode_arms(model, prompts, [6, 3])
     for prompt, n, tokens in zip(prompts, [6, 3], runs):
         assert tokens["exact"] == generate(model, prompt, n)  # the exact arm is the demo's reference decode
-        assert set(tokens) == {"exact", *codec_cases.ROUNDTRIPS} and all(len(t) == n for t in tokens.values())
-    pool = model.new_pool(8, codec_cases.PAGE_SIZE)
+        assert set(tokens) == {"exact", *codec_greedy.ROUNDTRIPS} and all(len(t) == n for t in tokens.values())
+    pool = model.new_pool(8, codec_kv.PAGE_SIZE)
     exact = pool.new_sequence()
     model.prefill([exact], [prompts[0]])
     lossy = pool.allocate_sequence(len(prompts[0]))
-    codec_cases._roundtrip_copy(model, pool, exact, lossy, codec_cases.ROUNDTRIPS["fp8"])
+    codec_greedy._roundtrip_copy(model, pool, exact, lossy, codec_greedy.ROUNDTRIPS["fp8"])
     per_page = model.config.num_layers * 2  # rows of one page: every layer's K and V
     rows = [pddcore.pack(pool.layout(), torch.tensor(s.pages)).view(torch.float64).view(per_page * len(s.pages), -1)
             for s in (exact, lossy)]
@@ -585,19 +585,19 @@ def test_bench_measure_reports_the_frames_it_made():
 def test_bench_checkpoint_kv_is_measured_when_a_folder_is_named(tmp_path, monkeypatch):
     import transformers
 
-    from pddcore.benchmarks import codec_cases
+    from pddcore.benchmarks import codec_kv
 
-    monkeypatch.delenv(codec_cases.CHECKPOINT_ENV, raising=False)
-    assert codec_cases.checkpoint_kv(quick=True) == ({}, "skipped: no checkpoint (set PDDCORE_BENCH_CHECKPOINT "
+    monkeypatch.delenv(codec_kv.CHECKPOINT_ENV, raising=False)
+    assert codec_kv.checkpoint_kv(quick=True) == ({}, "skipped: no checkpoint (set PDDCORE_BENCH_CHECKPOINT "
                                                          "to a Hugging Face Llama / Qwen2 folder)")
     config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "tiny-llama")
-    monkeypatch.setenv(codec_cases.CHECKPOINT_ENV, str(tmp_path / "tiny-llama"))
-    kv, skipped = codec_cases.checkpoint_kv(quick=True)
+    monkeypatch.setenv(codec_kv.CHECKPOINT_ENV, str(tmp_path / "tiny-llama"))
+    kv, skipped = codec_kv.checkpoint_kv(quick=True)
     assert skipped is None and list(kv) == ["tiny-llama bfloat16"]
     rows = kv["tiny-llama bfloat16"]
-    context = codec_cases.documents(codec_cases.agentic_trace(), quick=True)[0]
+    context = codec_kv.documents(codec_kv.agentic_trace(), quick=True)[0]
     assert rows.dtype == torch.bfloat16 and rows.shape == (2 * 2 * -(-len(context) // 16), 16 * 2 * 16)
 
 
@@ -608,15 +608,15 @@ def test_bench_wan_frames_rebuild_md_pages_across_the_emulated_link():
     after each lossless codec (and not after fp8: the comparison can tell), zstd puts
     fewer bytes than the raw bfloat16 KV on the wire, and every frame crossed the delay."""
     from pddcore.benchmarks import cli as bench_cli
-    from pddcore.benchmarks import codec_cases
+    from pddcore.benchmarks import codec_cases, codec_wan
 
-    cfg = codec_cases.MODELS["embedded"]
-    r = codec_cases.wan_case("200mbit", delay_ms=5, trials=2, config="embedded", dtype=torch.bfloat16,
+    cfg = codec_wan.MODELS["embedded"]
+    r = codec_wan.wan_case("200mbit", delay_ms=5, trials=2, config="embedded", dtype=torch.bfloat16,
                              document_tokens=64, handoff=100)
     assert [(p.payload, p.tokens, p.codec) for p in r.points] == [
         (payload, n, c) for payload, n in (("handoff", 100), ("document", 64)) for c in codec_cases.CODECS]
     for p in r.points:
-        rows = cfg.num_layers * 2 * p.tokens // codec_cases.WAN_PAGE_SIZE  # one per page of a layer's K or V
+        rows = cfg.num_layers * 2 * p.tokens // codec_wan.WAN_PAGE_SIZE  # one per page of a layer's K or V
         assert p.raw_bytes == p.tokens * 2 * cfg.num_layers * cfg.kv_size * 2
         assert len(p.end_to_end_ms) == len(p.rebuilt_equal) == 2
         assert min(p.wire_ms) >= r.rtt_ms / 2
@@ -630,7 +630,7 @@ def test_bench_wan_frames_rebuild_md_pages_across_the_emulated_link():
                                                                             dtype=torch.bfloat16)))
         if p.codec == "zstd":
             assert p.wire_bytes < p.raw_bytes
-    assert "64-token document" in codec_cases.format_wan(r) and "exact" in codec_cases.format_wan(r)
+    assert "64-token document" in codec_wan.format_wan(r) and "exact" in codec_wan.format_wan(r)
     # pddcore bench's rows: each codec's median beside none's, none's beside the line rate.
     rows = {row.what: row for row in bench_cli.codec_wan_rows([r])}
     assert len(rows) == len(r.points)

@@ -43,8 +43,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from . import (codec_cases, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, peer_cases, radix_cases,
-               rdma_cases, stream_cases, tls_cases, transfer_cases)
+from . import (codec_cases, codec_wan, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, peer_cases,
+               radix_cases, rdma_cases, stream_cases, tls_cases, transfer_cases)
 from .plots import write_plots
 
 CASES = ("pack", "transfer", "tls", "wan", "loss", "peers", "wan10g", "stream", "handoff", "extend", "radix", "codec")
@@ -341,17 +341,17 @@ def case_codec(quick: bool, backend: str) -> CaseOutput:
 
     reason = unavailable_reason()
     if reason is None:
-        rates = codec_cases.WAN_RATES[:1] if quick else codec_cases.WAN_RATES
-        wans = [_in_fresh_process(codec_cases.wan_case, rate, trials=3 if quick else 10) for rate in rates]
+        rates = codec_wan.WAN_RATES[:1] if quick else codec_wan.WAN_RATES
+        wans = [_in_fresh_process(codec_wan.wan_case, rate, trials=3 if quick else 10) for rate in rates]
         data["wan"] = [w.as_dict() for w in wans]
-        text += "".join("\n\n" + codec_cases.format_wan(w) for w in wans)
+        text += "".join("\n\n" + codec_wan.format_wan(w) for w in wans)
         rows += codec_wan_rows(wans)
     else:
         text += f"\n(WAN rows skipped: {reason})"
     return CaseOutput(data, text, rows)
 
 
-def codec_wan_rows(wans: list[codec_cases.WanResult]) -> list[Row]:
+def codec_wan_rows(wans: list[codec_wan.WanResult]) -> list[Row]:
     """Per link, payload and codec: the median end to end against ``none``'s (``none``'s
     against the line-rate floor)."""
     rows = []
