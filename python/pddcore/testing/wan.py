@@ -62,8 +62,9 @@ API in short:
   ``link.delay_line_pid``; ``link.rtt_ms``; ``link.rate_bps``.
 - Several links can be up at once (each in its own namespaces, all with the same addresses).
 - Module functions: ``unavailable_reason()`` (None, or why links cannot be built here: use
-  it in ``pytest.mark.skipif``), ``list_links()``, ``read_state(name)``, ``teardown(name)``,
-  ``cleanup_stale()``, ``parse_rate(rate)``.
+  it in ``pytest.mark.skipif``), ``parse_rate(rate)``, and from the registry of the links up
+  on this machine (:mod:`pddcore.testing.wan_registry`): ``list_links()``,
+  ``read_state(name)``, ``teardown(name)``, ``cleanup_stale()``.
 
 Inside a and b, tcp_rmem/tcp_wmem allow 64 MiB so TCP autotuning can fill a 10 Gbit/s x
 50 ms pipe: let autotuning work (don't set SO_RCVBUF/SO_SNDBUF, which net.core.rmem_max
@@ -81,27 +82,25 @@ thread, normally). Setup takes about 0.2 s, teardown about 0.1 s.
 from __future__ import annotations
 
 import atexit
-import fcntl
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from . import delay_line, netns
 from .delay_line import DelayLineStats
 from .netns import NamespaceCallError, NamespaceError, NamespaceProcess
+# The registry's functions are part of this module's API (scripts import only wan).
+from .wan_registry import (NS_PREFIX, cleanup_stale, link_alive, list_links, namespace, read_state, state_lock,
+                           state_path, stats_path, teardown, write_state)
 
 __all__ = ["WanLink", "Endpoint", "WanUnavailable", "NamespaceError", "NamespaceCallError", "NamespaceProcess",
            "DelayLineStats", "parse_rate", "unavailable_reason", "cleanup_stale", "teardown", "list_links",
            "link_alive", "read_state", "stats_path", "A_ADDRESS", "B_ADDRESS"]
 
-NS_PREFIX = "pddwan-"
 A_ADDRESS, B_ADDRESS = "10.201.1.1", "10.201.2.1"
 _A_GATEWAY, _B_GATEWAY = "10.201.1.254", "10.201.2.254"
 _TCP_BUFFER_MAX = 64 << 20
@@ -115,12 +114,6 @@ _counter_lock = threading.Lock()
 
 class WanUnavailable(RuntimeError):
     """This machine or process cannot build a WAN link (not root, no /dev/net/tun, no iproute2)."""
-
-
-def state_dir() -> str:
-    """Where links record their owner and counters (/run/pddcore-wan, else under the temp dir)."""
-    return "/run/pddcore-wan" if os.path.isdir("/run") and os.access("/run", os.W_OK) else os.path.join(
-        tempfile.gettempdir(), "pddcore-wan")
 
 
 def unavailable_reason() -> str | None:
@@ -247,9 +240,9 @@ class WanLink:
             with _counter_lock:
                 name = f"{os.getpid()}x{next(_counter)}"
         self.name = name
-        self.a = Endpoint(self, "a", f"{NS_PREFIX}{name}-a", A_ADDRESS, B_ADDRESS)
-        self.b = Endpoint(self, "b", f"{NS_PREFIX}{name}-b", B_ADDRESS, A_ADDRESS)
-        self.middle_netns = f"{NS_PREFIX}{name}-m"
+        self.a = Endpoint(self, "a", namespace(name, "a"), A_ADDRESS, B_ADDRESS)
+        self.b = Endpoint(self, "b", namespace(name, "b"), B_ADDRESS, A_ADDRESS)
+        self.middle_netns = namespace(name, "m")
         self.delay_line_pid: int | None = None
         self._children: list[NamespaceProcess] = []
         self._open = False
@@ -295,8 +288,8 @@ class WanLink:
         if reason:
             raise WanUnavailable(reason)
         cleanup_stale()
-        with _state_lock():
-            if any(netns.exists(ns) for ns in self.namespaces) or os.path.exists(_state_path(self.name)):
+        with state_lock():
+            if any(netns.exists(ns) for ns in self.namespaces) or os.path.exists(state_path(self.name)):
                 raise NamespaceError(f"a WAN link named {self.name!r} is already up (pddcore wan down --name {self.name})")
             self._write_state(owner=os.getpid())
         self._open = True
@@ -398,16 +391,12 @@ class WanLink:
         return proc
 
     def _write_state(self, owner: int | None) -> None:
-        state = {"name": self.name, "owner_pid": owner, "owner_start": netns.pid_start_time(owner),
-                 "delay_line_pid": self.delay_line_pid, "namespaces": list(self.namespaces),
-                 "rate_bps": self.rate_bps, "delay_ms": self.delay_ms, "jitter_ms": self.jitter_ms,
-                 "loss": self.loss, "mtu": self.mtu, "buffer_ms": self.buffer_ms, "offload": self.offload,
-                 "addresses": {"a": self.a.address, "b": self.b.address}}
-        os.makedirs(state_dir(), exist_ok=True)
-        tmp = _state_path(self.name) + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, _state_path(self.name))
+        write_state(self.name, {
+            "name": self.name, "owner_pid": owner, "owner_start": netns.pid_start_time(owner),
+            "delay_line_pid": self.delay_line_pid, "namespaces": list(self.namespaces), "rate_bps": self.rate_bps,
+            "delay_ms": self.delay_ms, "jitter_ms": self.jitter_ms, "loss": self.loss, "mtu": self.mtu,
+            "buffer_ms": self.buffer_ms, "offload": self.offload,
+            "addresses": {"a": self.a.address, "b": self.b.address}})
 
     def _install_sigterm_handler(self) -> None:
         # SIGTERM's default action skips `finally`; turn it into SystemExit so teardown runs.
@@ -425,81 +414,3 @@ class WanLink:
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-def _state_path(name: str) -> str:
-    return os.path.join(state_dir(), f"{name}.json")
-
-
-def stats_path(name: str) -> str:
-    """File holding the delay-line counters of link `name` (see delay_line.read_stats)."""
-    return os.path.join(state_dir(), f"{name}.stats")
-
-
-@contextmanager
-def _state_lock() -> Iterator[None]:
-    os.makedirs(state_dir(), exist_ok=True)
-    with open(os.path.join(state_dir(), ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def read_state(name: str) -> dict | None:
-    """The recorded configuration and owner of link `name`, or None."""
-    try:
-        with open(_state_path(name)) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def list_links() -> list[str]:
-    """Names of all WAN links on this machine (namespaces or state files present)."""
-    names = {ns[len(NS_PREFIX):-2] for ns in netns.list_namespaces()
-             if ns.startswith(NS_PREFIX) and ns[-2:] in ("-a", "-m", "-b")}
-    if os.path.isdir(state_dir()):
-        names |= {f[:-5] for f in os.listdir(state_dir()) if f.endswith(".json")}
-    return sorted(names)
-
-
-def link_alive(name: str) -> bool:
-    """True while the process owning link `name` runs."""
-    state = read_state(name)
-    return bool(state and state.get("owner_pid") and netns.pid_alive(state["owner_pid"], state.get("owner_start")))
-
-
-def teardown(name: str) -> None:
-    """Removes link `name` whoever owns it: kills every process in its namespaces (the delay
-    line first), deletes the namespaces (which deletes its veth and TUN devices) and its files."""
-    namespaces = [f"{NS_PREFIX}{name}-{side}" for side in ("m", "a", "b")]
-    for ns in namespaces:  # the delay line lives in "m"; its TUN devices vanish with it
-        netns.kill_processes(netns.pids_in(ns))
-    errors = []
-    for ns in namespaces:
-        if netns.exists(ns):
-            try:
-                netns.run_tool(["ip", "netns", "del", ns])
-            except NamespaceError as exc:
-                errors.append(str(exc))
-    stats = stats_path(name)
-    for path in (_state_path(name), stats, delay_line.error_path(stats)):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    if errors:
-        raise NamespaceError("; ".join(errors))
-
-
-def cleanup_stale() -> list[str]:
-    """Tears down every link whose owner process is gone (a killed run); returns their names."""
-    removed = []
-    with _state_lock():
-        for name in list_links():
-            if not link_alive(name):
-                teardown(name)
-                removed.append(name)
-    return removed

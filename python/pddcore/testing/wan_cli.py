@@ -13,7 +13,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from . import wan
+from . import delay_line, wan, wan_registry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,29 +57,29 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    names = wan.list_links() if args.all else [args.name]
-    if not args.all and args.name not in wan.list_links():
+    names = wan_registry.list_links() if args.all else [args.name]
+    if not args.all and args.name not in wan_registry.list_links():
         print(f"no WAN link named {args.name!r}")
         return 1
     for name in names:
-        wan.teardown(name)
+        wan_registry.teardown(name)
         print(f"{name}: down")
     return 0
 
 
 def _describe(name: str) -> dict:
-    state = wan.read_state(name) or {}
-    info = {"name": name, "alive": wan.link_alive(name), **{k: v for k, v in state.items() if k != "name"}}
+    state = wan_registry.read_state(name) or {}
+    info = {"name": name, "alive": wan_registry.link_alive(name), **{k: v for k, v in state.items() if k != "name"}}
     try:
-        info["stats"] = asdict(wan.delay_line.read_stats(wan.stats_path(name)))
+        info["stats"] = asdict(delay_line.read_stats(wan_registry.stats_path(name)))
     except (OSError, ValueError):
         info["stats"] = None
     return info
 
 
 def _status(args: argparse.Namespace) -> int:
-    names = [args.name] if args.name else wan.list_links()
-    if args.name and args.name not in wan.list_links():
+    names = [args.name] if args.name else wan_registry.list_links()
+    if args.name and args.name not in wan_registry.list_links():
         print(f"no WAN link named {args.name!r}")
         return 1
     links = [_describe(n) for n in names]
