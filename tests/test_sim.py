@@ -17,7 +17,7 @@ from pddcore.router import Pipeline
 from pddcore.sim import (AccountingError, AgenticConfig, ClusterSim, CostModel, HARDWARE, MODELS, HardwareSpec,
                          Request, TraceError, agentic, calibration_configs, check_accounting, max_goodput,
                          read_jsonl, run_trace, summarize, write_jsonl)
-from pddcore.sim.cluster import Pool
+from pddcore.sim.deployment import Pool
 from pddcore.sim.costmodel import prefill_flops
 from pddcore.sim.economics import Prices
 from pddcore.sim.engine import EventLoop

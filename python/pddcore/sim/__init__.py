@@ -23,8 +23,9 @@ Example::
 """
 
 from .capacity import max_goodput, run_trace
-from .cluster import ClusterConfig, ClusterSim, Pool
+from .cluster import ClusterSim
 from .costmodel import CostModel
+from .deployment import ClusterConfig, Pool
 from .economics import Prices, bcr
 from .metrics import AccountingError, check_accounting, summarize
 from .scenarios import calibration_configs, calibration_trace, three_scenarios

@@ -14,7 +14,8 @@ import math
 from dataclasses import replace
 from typing import Any, Sequence
 
-from .cluster import ClusterConfig, ClusterSim
+from .cluster import ClusterSim
+from .deployment import ClusterConfig
 from .metrics import check_accounting, summarize
 from .workload import AgenticConfig, Request, agentic, scale_rate
 

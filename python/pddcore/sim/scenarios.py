@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-from .cluster import ClusterConfig, Pool
+from .deployment import ClusterConfig, Pool
 from .specs import HARDWARE, MODELS, ModelSpec
 from .workload import AgenticConfig, Request, agentic
 

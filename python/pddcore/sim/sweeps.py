@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 from tqdm import tqdm
 
 from .capacity import max_goodput, run_trace
-from .cluster import Pool
+from .deployment import Pool
 from .economics import Prices, bcr, mean_benefit
 from .scenarios import CALIBRATION_WORKLOAD, calibration_configs
 from .specs import HARDWARE
