@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from pddcore.benchmarks import cli as bench_cli
-from pddcore.benchmarks import peer_cases
+from pddcore.benchmarks import peer_cases, peer_engines
 from pddcore.benchmarks.peer_cases import Measurement, PeerResult, PeersReport
 from pddcore.testing.wan import unavailable_reason
 
-MOONCAKE = peer_cases.peers()[0]
+MOONCAKE = peer_engines.peers()[0]
 
 
 @pytest.mark.parametrize("nbytes, piece", [(1 << 20, 64 << 10), (3 << 20, 1 << 20), (1 << 20, None)])
@@ -69,7 +69,7 @@ def test_rows_flag_failures_and_wrong_bytes_and_leave_them_out_of_the_summary():
 
 
 def test_a_peer_that_is_not_installed_is_skipped_with_the_import_error(monkeypatch):
-    missing = peer_cases.Contender("ghost", "pddcore_ghost_engine", {}, MOONCAKE.target, MOONCAKE.source)
+    missing = peer_engines.Contender("ghost", "pddcore_ghost_engine", {}, MOONCAKE.target, MOONCAKE.source)
     monkeypatch.setattr(peer_cases, "peers", lambda: (missing,))
     report = peer_cases.peers_case(nbytes=1 << 20)
     assert report.results == [] and report.knobs == {}
