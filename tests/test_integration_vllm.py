@@ -39,7 +39,9 @@ BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS, EOS = 16, 2, 8, 3, 24, 2
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def make_config(model_dir: Path, role: str, extra: dict | None = None, *, prefix_caching: bool = True) -> VllmConfig:
+def make_config(model_dir: Path, role: str, extra: dict | None = None, *, prefix_caching: bool = True,
+                engine_id: str | None = None) -> VllmConfig:
+    """``engine_id``: vLLM gives every rank of one engine the same (a fresh uuid when None)."""
     """A VllmConfig for a tiny local llama-shaped model (only its config.json is read)."""
     model = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True, dtype="float32",
                         seed=0, max_model_len=512)
@@ -49,7 +51,7 @@ def make_config(model_dir: Path, role: str, extra: dict | None = None, *, prefix
                                          enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(kv_connector="PDDConnector", kv_connector_module_path="pddcore.integrations.vllm",
-                                            kv_role=role, kv_load_failure_policy="recompute",
+                                            kv_role=role, kv_load_failure_policy="recompute", engine_id=engine_id,
                                             kv_connector_extra_config={"host": "127.0.0.1", **(extra or {})}),
         device_config=DeviceConfig("cpu"))
 
@@ -229,8 +231,9 @@ class Worker:
 
 def make_worker(model_dir: Path, role: str, tp_rank: int = 0, tp: int = 1, heads: int = HEADS, *,
                 layout: str = "LBNHC", kernel_block: int | None = None, mla: bool = False, seed: int = 0,
-                extra: dict | None = None) -> Worker:
-    config = make_config(model_dir, role, {"tp_rank": tp_rank, "load_timeout_s": 30, **(extra or {})})
+                extra: dict | None = None, engine_id: str | None = None) -> Worker:
+    config = make_config(model_dir, role, {"tp_rank": tp_rank, "load_timeout_s": 30, **(extra or {})},
+                         engine_id=engine_id)
     config.parallel_config.tensor_parallel_size = tp
     spec = attention_spec(heads, mla)
     kv_cache_config = make_kv_cache_config(config, spec, layout)
@@ -293,19 +296,23 @@ def consumer_process(model_dir: str, jobs: list[dict], pipe) -> None:
     torch.set_num_threads(1)
     try:
         for job in jobs:
-            workers = [make_worker(Path(model_dir), "kv_consumer", r, job["d_tp"], job["heads"] // job["d_tp"],
-                                   layout=job["d_layout"], kernel_block=job["d_kernel"], mla=job["mla"], seed=50 + r)
+            workers = [make_worker(Path(model_dir), "kv_consumer", r, job["d_tp"], rank_heads(job, job["d_tp"]),
+                                   layout=job["d_layout"], kernel_block=job["d_kernel"], mla=job["mla"], seed=50 + r,
+                                   engine_id="consumer")
                        for r in range(job["d_tp"])]
             pipe.send("ready")
             addresses = pipe.recv()
-            for rank, w in enumerate(workers):
+            results, errors = [], []
+            for rank, w in enumerate(workers):  # one rank after the other: a later one finds the KV still there
                 params = dict(remote_request_id="p-req", pdd_addresses=addresses, tp_size=job["p_tp"],
                               remote_block_ids=job["p_blocks"], remote_host="127.0.0.1", remote_port=1)
                 w.conn.bind_connector_metadata(PDDConnectorMetadata(loads={"d-req": _Load(job["d_blocks"], job["skip"],
                                                                                           params)}))
                 w.conn.start_load_kv(None)
                 w.conn.clear_connector_metadata()
-            results, errors = drive([w.conn for w in workers], lambda r, e: all(x.finished_recving for x in r))
+                (result,), (error,) = drive([w.conn], lambda r, e: r[0].finished_recving)
+                results.append(result)
+                errors.append(error)
             pipe.send({"failed": [sorted(r.failed_recving) for r in results], "errors": [sorted(e) for e in errors],
                        "kv": [as_bytes(w.blocks(job["d_blocks"])) for w in workers]})
             for w in workers:
@@ -319,7 +326,16 @@ JOBS = [  # producer and consumer layouts differ on purpose: the wire format is 
     dict(p_tp=2, d_tp=1, skip=1, p_layout="BLNHC", d_layout="LBNHC", p_kernel=None, d_kernel=8, mla=False),
     dict(p_tp=1, d_tp=2, skip=0, p_layout="LBNHC", d_layout="BHLNC", p_kernel=4, d_kernel=None, mla=False),
     dict(p_tp=1, d_tp=1, skip=0, p_layout="LHBNC", d_layout="LBNHC", p_kernel=None, d_kernel=None, mla=True),
+    # MLA across TP sizes: both consumer ranks read the one latent of producer rank 0; then producer
+    # rank 1 is read by no consumer rank, is told so, and frees its copy without waiting for its lease.
+    dict(p_tp=1, d_tp=2, skip=0, p_layout="LBNHC", d_layout="LBNHC", p_kernel=None, d_kernel=None, mla=True),
+    dict(p_tp=2, d_tp=1, skip=1, p_layout="LBNHC", d_layout="LHBNC", p_kernel=None, d_kernel=None, mla=True),
 ]
+
+
+def rank_heads(job: dict, tp: int) -> int:
+    """KV heads per rank at TP ``tp`` (MLA: the one latent on every rank)."""
+    return 1 if job["mla"] else job["heads"] // tp
 
 
 def test_workers_in_two_processes_move_vllm_allocated_blocks_byte_identical(model_dir):
@@ -332,12 +348,12 @@ def test_workers_in_two_processes_move_vllm_allocated_blocks_byte_identical(mode
     proc.start()
     try:
         for n, job in enumerate(JOBS):
-            producers = [make_worker(model_dir, "kv_producer", r, job["p_tp"], job["heads"] // job["p_tp"],
+            producers = [make_worker(model_dir, "kv_producer", r, job["p_tp"], rank_heads(job, job["p_tp"]),
                                      layout=job["p_layout"], kernel_block=job["p_kernel"], mla=job["mla"], seed=n * 10 + r)
                          for r in range(job["p_tp"])]
             for w in producers:  # the prefill step saves layer by layer, then the request finishes
                 worker_step(w, PDDConnectorMetadata(saves={"p-req": p_blocks}), forward=True)
-                worker_step(w, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+                worker_step(w, PDDConnectorMetadata(send_deadlines={"p-req": 3600.0}))  # held until served
             msg = parent.recv()
             assert msg == "ready", msg
             parent.send([w.conn.address for w in producers])
@@ -347,10 +363,14 @@ def test_workers_in_two_processes_move_vllm_allocated_blocks_byte_identical(mode
             assert "crash" not in result, result
             assert result["failed"] == [[]] * job["d_tp"] and result["errors"] == [[]] * job["d_tp"], job
             # The model's heads, each producer rank holding a contiguous share; the consumer ranks split them anew.
+            # MLA: consumer rank r holds the latent of producer rank r % p_tp.
             planes = [torch.cat(parts, dim=2) for parts in zip(*(w.blocks(p_blocks[job["skip"]:]) for w in producers))]
             d_per = job["heads"] // job["d_tp"]
             for rank, got in enumerate(result["kv"]):
-                want = as_bytes([p[:, :, rank * d_per:(rank + 1) * d_per] for p in planes])
+                if job["mla"]:
+                    want = as_bytes(producers[rank % job["p_tp"]].blocks(p_blocks[job["skip"]:]))
+                else:
+                    want = as_bytes([p[:, :, rank * d_per:(rank + 1) * d_per] for p in planes])
                 assert got == want, (job, rank)
             for w in producers:
                 assert not w.conn._staged and not w.conn._serving  # staging released to the pool
@@ -517,6 +537,53 @@ def test_forged_done_is_ignored_and_the_real_one_completes_the_load(model_dir):
         rogue.close()
         pw.conn.shutdown()
         cw.conn.shutdown()
+
+
+def pull(consumer: Worker, d_req: str, params: dict, d_blocks: list[int]) -> None:
+    """The consumer's scheduler hands its worker a load of ``params``' KV into ``d_blocks``."""
+    consumer.conn.bind_connector_metadata(PDDConnectorMetadata(loads={d_req: _Load(d_blocks, 0, dict(params))}))
+    consumer.conn.start_load_kv(None)
+    consumer.conn.clear_connector_metadata()
+
+
+def test_pdd_consumers_keeps_the_kv_until_every_consumer_pulled(model_dir):
+    """A prefill whose kv_transfer_params say "pdd_consumers": 2 (a relay and a main decode)
+    keeps its blocks after the first consumer's pull and frees them after the second's; a
+    third consumer then finds nothing. Without the key one pull frees them, as ever."""
+    prod = make_scheduler(model_dir, "kv_producer")
+    pw = make_worker(model_dir, "kv_producer", seed=11)
+    consumers = [make_worker(model_dir, "kv_consumer", seed=12 + i) for i in range(3)]
+    try:
+        prod.connector.set_xfer_handshake_metadata({0: pw.conn.get_handshake_metadata()})
+        idle = free_blocks(prod)
+        req = make_request("p-2", list(range(100, 140)), 1, {"do_remote_decode": True, "pdd_consumers": 2})
+        prod.add_request(req)
+        out = prod.schedule()
+        assert out.kv_connector_metadata.consumers == {"p-2": 2}
+        params = finished_params(prod.update_from_output(out, runner_output([req], worker_step(
+            pw, out.kv_connector_metadata, forward=True))))
+        p_blocks = params["remote_block_ids"]
+        engine_step(prod, pw)  # the scheduler tells the worker the request finished (its lease)
+        sent = set()
+        for i, consumer in enumerate(consumers[:2]):
+            pull(consumer, f"d-{i}", params, [1, 4, 6])
+            results, errors = drive([pw.conn, consumer.conn], lambda r, e: r[1].finished_recving)
+            assert not results[1].failed_recving and not errors[1]
+            assert as_bytes(consumer.blocks([1, 4, 6])) == as_bytes(pw.blocks(p_blocks))
+            sent |= results[0].finished_sending
+            if i == 0:
+                assert not sent and "p-2" in pw.conn._staged and free_blocks(prod) == idle - 3  # kept for the second
+        sent |= drive([pw.conn], lambda r, e: sent | r[0].finished_sending)[0][0].finished_sending
+        assert sent == {"p-2"} and not pw.conn._staged
+        prod.update_from_output(prod.schedule(), runner_output([], KVConnectorOutput(finished_sending=sent)))
+        assert free_blocks(prod) == idle
+        pull(consumers[2], "d-2", params, [1, 4, 6])
+        results, errors = drive([pw.conn, consumers[2].conn], lambda r, e: r[1].finished_recving)
+        assert results[1].failed_recving == {"d-2"} and errors[1] == {1, 4, 6}  # the third finds no KV
+    finally:
+        pw.conn.shutdown()
+        for consumer in consumers:
+            consumer.conn.shutdown()
 
 
 def test_consumer_load_times_out_and_reports_blocks(model_dir):
@@ -735,7 +802,8 @@ def test_layers_pushed_before_the_consumer_saw_the_request_are_kept_and_used(mod
     past its own prefix hit (skip). MLA: one producer rank pushes to every consumer rank."""
     heads = 1 if mla else HEADS
     pw = make_worker(model_dir, "kv_producer", heads=heads, layout="LHBNC", mla=mla, seed=31)
-    cws = [make_worker(model_dir, "kv_consumer", r, d_tp, heads, mla=mla, seed=32 + r) for r in range(d_tp)]
+    cws = [make_worker(model_dir, "kv_consumer", r, d_tp, heads, mla=mla, seed=32 + r, engine_id="consumer")
+           for r in range(d_tp)]
     p_blocks, d_blocks = [3, 8, 5], [10, 12, 14][skip:]
     try:
         consumers = [w.conn.address for w in cws]
@@ -848,6 +916,37 @@ def test_another_engines_stream_of_the_same_key_is_ignored(model_dir):
         assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks))
     finally:
         rogue.close()
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
+def test_a_refused_push_falls_back_to_a_pull(model_dir):
+    """The consumer has no push buffer to give (its pinned memory ran out): it refuses the push,
+    and its load pulls the KV from the producer, which kept its staged copy for that pull."""
+    pw = make_worker(model_dir, "kv_producer", seed=63)
+    cw = make_worker(model_dir, "kv_consumer", seed=64)
+    acquire, refused = cw.conn.staging.acquire, []
+
+    def no_push_buffer(nbytes: int, *, target: bool = False):
+        if target and not refused:  # the first target buffer asked for: the push buffer
+            refused.append(nbytes)
+            raise RuntimeError("CUDA out of pinned memory")
+        return acquire(nbytes, target=target)
+
+    cw.conn.staging.acquire = no_push_buffer
+    try:
+        p_blocks, d_blocks = [3, 8, 5], [10, 12, 14]
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}, pushes={"p-req": [cw.conn.address]}),
+                    forward=True)
+        drive([pw.conn, cw.conn], lambda r, e: pw.conn._staged["p-req"].push.targets[0].ended)  # refused
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+        assert "p-req" in pw.conn._staged  # kept for the pull the consumer falls back to
+        worker_step(cw, PDDConnectorMetadata(loads={"d-req": _Load(d_blocks, 0, pushed_params(pw, "p-req", p_blocks))}))
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving and r[0].finished_sending)
+        assert results[1].finished_recving == {"d-req"} and not results[1].failed_recving and not errors[1]
+        assert results[0].finished_sending == {"p-req"} and not pw.conn._staged
+        assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks))
+    finally:
         pw.conn.shutdown()
         cw.conn.shutdown()
 

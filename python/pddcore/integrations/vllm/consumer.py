@@ -52,6 +52,7 @@ class _PendingLoad:
     block_ids: list[int]
     pages: torch.Tensor
     started: float
+    load: _Load
     segments: list[_Segment] = field(default_factory=list)
     staging: StagingBuffer | None = None
     done_sources: set[int] = field(default_factory=set)
@@ -72,7 +73,8 @@ class ConsumerWorker:
             return
         for req_id, params in meta.cancelled_loads.items():
             for address in self._producer_addresses(params):
-                self._peers.send(address, "drop", req=params.get("remote_request_id"))
+                self._peers.send(address, "drop", req=params.get("remote_request_id"), d_req=req_id,
+                                 d_engine=self.engine_id)
         for req_id, load in meta.loads.items():
             try:
                 if load.params.get("pdd_pushed"):
@@ -108,11 +110,16 @@ class ConsumerWorker:
         params, n = load.params, len(load.local_block_ids)
         self._remote_blocks(load)
         addresses = self._producer_addresses(params)
-        if self.layout.is_mla:
+        if self.layout.is_mla:  # every producer rank holds the one latent: rank r reads rank r % their TP
             sources = [(self.tp_rank % len(addresses), None, None)]
+            # The producer ranks no rank of this TP size reads: rank r tells those of index r + k * tp.
+            for unread in addresses[self.tp_size + self.tp_rank::self.tp_size]:
+                self._peers.send(unread, "drop", req=params["remote_request_id"], d_req=req_id,
+                                 d_engine=self.engine_id)
         else:
             sources = head_slices(self.total_kv_heads, len(addresses), self.tp_size, self.tp_rank)
-        pending = _PendingLoad(req_id, load.local_block_ids, self._pages(load.local_block_ids), time.monotonic())
+        pending = _PendingLoad(req_id, load.local_block_ids, self._pages(load.local_block_ids), time.monotonic(),
+                               load)
         offset = 0
         for src_rank, src_heads, dst_heads in sources:
             nbytes = self.layout.packed_nbytes(len(pending.pages), heads=dst_heads)
@@ -122,7 +129,7 @@ class ConsumerWorker:
         self._pending_loads[req_id] = pending
         for seg in pending.segments:
             self._peers.send(seg.address, "pull", req=params["remote_request_id"], d_req=req_id,
-                             skip_blocks=load.skip_blocks, num_blocks=n, d_tp=self.tp_size,
+                             d_engine=self.engine_id, skip_blocks=load.skip_blocks, num_blocks=n, d_tp=self.tp_size,
                              src_heads=list(seg.src_heads) if seg.src_heads else None,
                              region=pending.staging.region.descriptor().hex(), offset=seg.offset,
                              seg_bytes=seg.nbytes, reply=self.address)
@@ -139,7 +146,7 @@ class ConsumerWorker:
         pushed = _PushedLoad((producer.engine_id, str(params["remote_request_id"]).encode()),
                              load.skip_blocks * self.pages_per_block, remote_blocks * self.pages_per_block)
         pending = _PendingLoad(req_id, load.local_block_ids, self._pages(load.local_block_ids), time.monotonic(),
-                               pushed=pushed)
+                               load, pushed=pushed)
         self._pending_loads[req_id] = pending
         self._claim_push(pending)
 
@@ -184,6 +191,18 @@ class ConsumerWorker:
             if now - pending.started > self.load_timeout_s:
                 log.warning("PDDConnector: load of %s timed out", req_id)
                 self._fail_load(req_id, pending.block_ids)
+
+    def _pull_instead(self, pending: _PendingLoad, reason: str) -> None:
+        """The push of ``pending`` failed: the producer keeps its staged copy for a pull (the
+        push's share stays open), so pull it; a failed pull fails the load."""
+        log.warning("PDDConnector: push of %s failed (%s); pulling it", pending.req_id, reason)
+        self._release_staging(pending)
+        del self._pending_loads[pending.req_id]
+        try:
+            self._start_load(pending.req_id, pending.load)
+        except Exception as exc:
+            log.warning("PDDConnector: load of %s failed to start: %s", pending.req_id, exc)
+            self._fail_load(pending.req_id, pending.block_ids)
 
     def _fail_load(self, req_id: str, block_ids: list[int]) -> None:
         pending = self._pending_loads.pop(req_id, None)

@@ -44,6 +44,7 @@ class PDDConnectorMetadata(KVConnectorMetadata):
 
     saves: dict[str, list[int]] = field(default_factory=dict)        # producer: req -> all its block ids
     pushes: dict[str, list[str]] = field(default_factory=dict)       # producer: req -> consumer rank addresses
+    consumers: dict[str, int] = field(default_factory=dict)          # producer: req -> consumers to serve, if not 1
     send_deadlines: dict[str, float] = field(default_factory=dict)   # producer: finished req -> lease (s)
     dropped_sends: set[str] = field(default_factory=set)             # producer: finished without a consumer
     preempted: set[str] = field(default_factory=set)                 # producer: staged copies gone stale

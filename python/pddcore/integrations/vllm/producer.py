@@ -4,7 +4,11 @@ staging buffer (:class:`_Staged`, layer-major) as the forward proceeds; each con
 ``pull`` is answered by writing its blocks (head-sliced when the TP sizes differ) into the
 consumer's staging buffer with a ``done`` notification. In push mode each packed layer is
 also streamed to the consumer at once (:mod:`.push_producer`). The staged copy is kept until
-every pull (or push) it expects was served, the consumer dropped it, or its lease ran out.
+every consumer it expects (``pdd_consumers`` in the request's ``kv_transfer_params``, default
+1) was served, or dropped it, or its lease ran out. A consumer is one engine (its ``d_engine``,
+vLLM's ``engine_id``, shared by its ranks) pulling one request (``d_req``); it is served once
+each of its ranks that needs this rank was answered: the ranks whose heads overlap this rank's
+(MLA: consumer ranks ``r, r + tp, ...``, which all read this rank's one latent copy).
 
 Staged bytes of a request with ``n`` pages, per layer ``l`` (K then V, each all ``n`` pages;
 see :mod:`.layer_major`)::
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +35,7 @@ from .layer_major import layer_major_layout, layer_offsets
 from .metadata import PDDConnectorMetadata
 from .protocol import MESSAGES
 from .push_producer import _Push
+from .shares import Share
 
 __all__ = ["ProducerWorker"]
 
@@ -48,7 +53,8 @@ class _Staged:
     layer_offsets: list[int]
     ready: bool = False
     deadline: float | None = None
-    expected_pulls: int = 1
+    consumers: int = 1
+    shares: dict[tuple[str, str], Share] = field(default_factory=dict)
     push: _Push | None = None
 
     @property
@@ -65,6 +71,11 @@ class _Staged:
     def layer_range(self, layer: int) -> tuple[int, int]:
         return self.layer_offsets[layer], self.layer_offsets[layer + 1]
 
+    @property
+    def served(self) -> bool:
+        """Whether every expected consumer was served (or dropped it)."""
+        return sum(s.complete and not s.superseded for s in self.shares.values()) >= self.consumers
+
 
 class ProducerWorker:
     """The producer's worker methods; :class:`~.worker.WorkerSide` supplies the engine,
@@ -74,7 +85,6 @@ class ProducerWorker:
         self._staged: dict[str, _Staged] = {}          # req -> packed KV
         self._pulls: dict[str, list[tuple[str, dict]]] = {}   # req -> pull requests not served yet
         self._serving: dict[str, list[tuple[Transfer, StagingBuffer | None, dict]]] = {}
-        self._served: dict[str, int] = {}
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -88,6 +98,7 @@ class ProducerWorker:
                 if staged is not None:
                     self._drop_send(req_id)
                 staged = self._staged[req_id] = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
+                staged.consumers = meta.consumers.get(req_id, 1)
                 if req_id in meta.pushes:
                     self._start_push(req_id, staged, meta.pushes[req_id])
             lo, hi = staged.layer_range(layer)
@@ -121,6 +132,7 @@ class ProducerWorker:
         for req_id, lease in meta.send_deadlines.items():
             if req_id in self._staged:
                 self._staged[req_id].deadline = time.monotonic() + lease
+                self._finish_if_served(req_id)  # consumers may have been served within the last step
             else:  # nothing was staged here (e.g. a prefill that never ran on this rank)
                 self._finished_sending.add(req_id)
         for req_id in meta.dropped_sends:
@@ -138,16 +150,23 @@ class ProducerWorker:
             return
         if msg["d_tp"] <= 0:
             raise MalformedMessage(f"pull for {req}: d_tp={msg['d_tp']}", req)
+        staged.shares.setdefault((msg["d_engine"], msg["d_req"]), Share(self._ranks_reading(msg["d_tp"])))
         self._pulls.setdefault(req, []).append((msg["reply"], msg))
-        staged.expected_pulls = (1 if self.layout.is_mla else
-                                 destinations_of(self.total_kv_heads, self.tp_size, msg["d_tp"], self.tp_rank))
         self._serve(req)
 
-    def _on_drop(self, req_id: str) -> None:
-        """The consumer aborted before pulling: free the staged copy unless a write is out."""
-        if req_id in self._staged and req_id not in self._serving:
-            self._drop_send(req_id)
-            self._finished_sending.add(req_id)
+    def _ranks_reading(self, d_tp: int) -> int:
+        """How many ranks of a consumer of TP ``d_tp`` read from this rank."""
+        if self.layout.is_mla:  # consumer rank r reads producer rank r % tp
+            return len(range(self.tp_rank, d_tp, self.tp_size))
+        return destinations_of(self.total_kv_heads, self.tp_size, d_tp, self.tp_rank)
+
+    def _on_drop(self, message: Message, msg: dict) -> None:
+        """A consumer needs nothing from this rank: it aborted before pulling, or (MLA) its TP
+        size leaves this rank unread. Its share is complete; the copy goes once all are."""
+        staged = self._staged.get(msg["req"])
+        if staged is not None:
+            staged.shares.setdefault((msg["d_engine"], msg["d_req"]), Share(0)).dropped = True
+            self._finish_if_served(msg["req"])
 
     def _serve(self, req_id: str) -> None:
         staged = self._staged.get(req_id)
@@ -158,7 +177,12 @@ class ProducerWorker:
                 self._serve_one(req_id, staged, address, pull)
             except Exception as exc:
                 self._peers.send(address, "fail", req=pull["d_req"], reason=f"producer could not send: {exc}")
-                self._served[req_id] = self._served.get(req_id, 0) + 1
+                self._answered(staged, pull)
+        self._finish_if_served(req_id)
+
+    @staticmethod
+    def _answered(staged: _Staged, pull: dict) -> None:
+        staged.shares[(pull["d_engine"], pull["d_req"])].answered.add(pull["reply"])
 
     def _serve_one(self, req_id: str, staged: _Staged, address: str, pull: dict) -> None:
         heads = tuple(pull["src_heads"]) if pull["src_heads"] else None
@@ -188,7 +212,6 @@ class ProducerWorker:
                 self._stop_push(req_id, staged)
             self.staging.release(staged.buffer)
         self._pulls.pop(req_id, None)
-        self._served.pop(req_id, None)
 
     def _progress_sends(self) -> None:
         now = time.monotonic()
@@ -202,7 +225,7 @@ class ProducerWorker:
                     self._peers.send(pull["reply"], "fail", req=pull["d_req"], reason=f"transfer {transfer.error}")
                 if own is not None:
                     self.staging.release(own)
-                self._served[req_id] = self._served.get(req_id, 0) + 1
+                self._answered(self._staged[req_id], pull)
             self._serving[req_id] = remaining
             self._finish_if_served(req_id)
         for req_id, staged in list(self._staged.items()):
@@ -212,13 +235,12 @@ class ProducerWorker:
                 self._finished_sending.add(req_id)
 
     def _finish_if_served(self, req_id: str) -> None:
-        """Frees the staged copy (and reports the blocks free) once every pull or push it
-        expects was served and no write from it is still out."""
+        """Frees the staged copy (and reports the blocks free) once every consumer it expects
+        was served and no write from it is still out, never before the scheduler finished the
+        request (a push, or a pull under async scheduling, can complete within its last step)."""
         staged = self._staged.get(req_id)
-        if staged is None or self._serving.get(req_id) or self._served.get(req_id, 0) < staged.expected_pulls:
+        if staged is None or self._serving.get(req_id) or staged.deadline is None or not staged.served:
             return
-        if staged.push is not None and staged.deadline is None:
-            return  # a push can land within the forward's own step, before the scheduler finished the request
         self._serving.pop(req_id, None)
         self._drop_send(req_id)
         self._finished_sending.add(req_id)

@@ -4,11 +4,13 @@ concerns under ``req``):
 * ``pull`` (consumer -> each producer rank it needs): request ``req``'s blocks
   ``[skip_blocks, skip_blocks + num_blocks)``, the producer's local heads ``src_heads``
   (None: all), written into the consumer's region ``region`` (hex descriptor) at ``offset``,
-  ``seg_bytes`` long; ``d_req`` is the consumer's request id, ``d_tp`` its TP size and
-  ``reply`` its engine address;
+  ``seg_bytes`` long; ``d_req`` is the consumer's request id, ``d_engine`` its vLLM
+  ``engine_id`` (one per consumer, shared by its ranks), ``d_tp`` its TP size and ``reply``
+  its engine address;
 * ``done`` (the producer's write notification): rank ``src``'s share of ``req`` landed;
 * ``fail`` (either way): ``req`` failed for ``reason``;
-* ``drop`` (consumer -> producer): the consumer aborted ``req`` before pulling it.
+* ``drop`` (consumer -> producer): consumer ``d_engine``'s request ``d_req`` needs nothing
+  from this producer rank: it aborted before pulling, or (MLA) no rank of its TP size reads it.
 
 Push mode (``req`` is the producer's request id, which also keys the layer stream):
 
@@ -32,11 +34,11 @@ __all__ = ["MAGIC", "MESSAGES"]
 
 MAGIC = b"PDDVLLM1"
 MESSAGES = MessageCodec(MAGIC, "PDDConnector", key="req", key_check=is_str, kinds={
-    "pull": {"d_req": is_str, "skip_blocks": is_int, "num_blocks": is_int, "d_tp": is_int, "src_heads": is_head_range,
+    "pull": {"d_req": is_str, "d_engine": is_str, "skip_blocks": is_int, "num_blocks": is_int, "d_tp": is_int, "src_heads": is_head_range,
              "region": is_hex, "offset": is_int, "seg_bytes": is_int, "reply": is_str},
     "done": {"src": is_int},
     "fail": {"reason": is_str},
-    "drop": {},
+    "drop": {"d_req": is_str, "d_engine": is_str},
     "reserve": {"nbytes": is_int, "num_layers": is_int, "reply": is_str},
     "reserved": {"region": is_hex, "offset": is_int},
     "refused": {"reason": is_str},

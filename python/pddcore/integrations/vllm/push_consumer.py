@@ -153,9 +153,7 @@ class PushConsumer:
         reservation.failure = failure
         self._discard_buffer(reservation)
         if reservation.load is not None:
-            log.warning("PDDConnector: load of %s failed: %s", reservation.load, failure)
-            pending = self._pending_loads[reservation.load]
-            self._fail_load(pending.req_id, pending.block_ids)
+            self._pull_instead(self._pending_loads[reservation.load], failure)
 
     def _claim_push(self, pending: "_PendingLoad") -> None:
         """Ties ``pending`` to its stream's reservation once there is one; completes it when
@@ -168,9 +166,8 @@ class PushConsumer:
                    or (f"{reservation.nbytes} bytes pushed, this layout needs {expected} (block geometry differs)"
                        if reservation.nbytes != expected else None))
         if problem is not None:
-            log.warning("PDDConnector: load of %s failed: pushed KV: %s", pending.req_id, problem)
             pending.pushed = None  # the reservation is not this load's to free
-            self._fail_load(pending.req_id, pending.block_ids)
+            self._pull_instead(pending, f"pushed KV: {problem}")
             return
         reservation.load = pending.req_id
         if reservation.complete:

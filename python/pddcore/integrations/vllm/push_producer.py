@@ -32,6 +32,7 @@ import torch
 
 from ...streaming import LayerStreamSender
 from ...transfer import Message, Transfer, TransferError
+from .shares import PUSH_SHARE, Share
 
 if TYPE_CHECKING:
     from .producer import _Staged
@@ -81,7 +82,7 @@ class PushProducer:
         sizes; with MLA (one latent, all ranks alike) also the ranks beyond a smaller TP size."""
         targets = [_PushTarget(address) for address in consumers[self.tp_rank::self.tp_size]]
         staged.push = _Push(targets)
-        staged.expected_pulls = len(targets)
+        staged.shares[PUSH_SHARE] = Share(len(targets))
         for target in targets:
             self._send_push_message(target.address, "reserve", req=req_id, nbytes=staged.buffer.nbytes,
                                     num_layers=self.layout.num_layers, reply=self.address)
@@ -150,9 +151,10 @@ class PushProducer:
         staged = self._staged.get(req)
         for target in staged.push.targets if staged is not None and staged.push is not None else []:
             if not target.ended and self._peers.is_from(message, target.address):
-                log.warning("PDDConnector: %s refused the push of %s: %s", target.address, req, msg["reason"])
+                log.warning("PDDConnector: %s refused the push of %s (it pulls instead): %s", target.address, req,
+                            msg["reason"])
                 target.ended = True
-                self._served[req] = self._served.get(req, 0) + 1
+                staged.shares[PUSH_SHARE].superseded = True
                 return
         log.warning("PDDConnector: ignored a refusal of %s from %s, which was offered no push of it", req,
                     message.sender)
@@ -173,9 +175,14 @@ class PushProducer:
             self._finish_if_served(req_id)
 
     def _end_push_target(self, req_id: str, target: _PushTarget, failure: str | None) -> None:
+        """A target's stream landed, or failed: then its consumer pulls instead (under its own
+        share), so the staged copy stays for that pull."""
         target.ended = True
-        self._served[req_id] = self._served.get(req_id, 0) + 1
-        if failure is not None:
+        share = self._staged[req_id].shares[PUSH_SHARE]
+        if failure is None:
+            share.answered.add(target.address)
+        else:
+            share.superseded = True
             log.warning("PDDConnector: push of %s to %s failed: %s", req_id, target.address, failure)
             self._send_push_message(target.address, "stream_failed", req=req_id, reason=failure)
 

@@ -44,6 +44,7 @@ class SchedulerSide:
     def _init_scheduler(self) -> None:
         self._producing: dict[str, "Request"] = {}
         self._push_to: dict[str, list[str]] = {}
+        self._consumers: dict[str, int] = {}
         self._loads: dict[str, _Load] = {}
         self._meta = PDDConnectorMetadata()
         self._sending: set[str] = set()
@@ -77,6 +78,9 @@ class SchedulerSide:
             push_to = self._push_targets(request.request_id, params)
             if push_to:
                 self._push_to[request.request_id] = push_to
+            consumers = self._consumer_count(request.request_id, params)
+            if consumers != 1:
+                self._consumers[request.request_id] = consumers
         if params.get("do_remote_prefill") and num_external_tokens > 0:
             all_ids = _first_group(blocks.get_block_ids())
             fresh = blocks.get_unhashed_block_ids()
@@ -94,6 +98,8 @@ class SchedulerSide:
                 meta.saves[req_id] = _first_group(self._kv_cache_manager.get_block_ids(req_id))
                 if req_id in self._push_to:
                     meta.pushes[req_id] = self._push_to[req_id]
+                if req_id in self._consumers:
+                    meta.consumers[req_id] = self._consumers[req_id]
                 del self._producing[req_id]
         return meta
 
@@ -102,6 +108,7 @@ class SchedulerSide:
 
         params = request.kv_transfer_params
         self._producing.pop(request.request_id, None)
+        self._consumers.pop(request.request_id, None)
         pushed = self._push_to.pop(request.request_id, None) is not None
         if not params:
             return False, None
@@ -142,6 +149,17 @@ class SchedulerSide:
                      len(push_to), self.tp_size)
             return None
         return list(push_to)
+
+    @staticmethod
+    def _consumer_count(req_id: str, params: dict) -> int:
+        """``pdd_consumers``: how many consumers pull this request's KV (the producer keeps it
+        until each was served, or its lease ends); 1 when absent or not a positive int."""
+        count = params.get("pdd_consumers", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            log.warning("PDDConnector: %s: pdd_consumers must be a positive int, got %r; serving one consumer",
+                        req_id, count)
+            return 1
+        return count
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         for req_id in connector_output.finished_sending or ():

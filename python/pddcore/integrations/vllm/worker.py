@@ -121,7 +121,7 @@ class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
                 self._fail_named_load(exc.key, f"malformed message from {message.sender}: {exc}")
 
     def _on_message(self, message: Message, msg: dict) -> None:
-        handlers = {"pull": self._on_pull, "drop": lambda _, m: self._on_drop(m["req"]), "done": self._on_done,
+        handlers = {"pull": self._on_pull, "drop": self._on_drop, "done": self._on_done,
                     "fail": self._on_fail, "reserve": self._on_reserve, "reserved": self._on_reserved,
                     "refused": self._on_refused, "stream_failed": self._on_stream_failed}
         handlers[msg["k"]](message, msg)  # MESSAGES admits no other kind
