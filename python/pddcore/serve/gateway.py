@@ -111,7 +111,7 @@ class Gateway:
         self.router = Router(RouterConfig(kv_bytes_per_token=config.kv_bytes_per_token, ttft_slo_s=config.ttft_slo_s,
                                           rld_tpot_s=config.rld_tpot_s))
         self.estimator = BandwidthEstimator(prior_bytes_per_s=config.prior_wan_bytes_per_s,
-                                            prior_rtt_s=config.prior_wan_rtt_s, min_sample_bytes=64 << 10)
+                                            prior_rtt_s=config.prior_wan_rtt_s)
         self.index = PrefixIndex(config.page_size, config.md_cache_tokens)
         self.traces: dict[str, RequestTrace] = {}
         self._background: set[asyncio.Task] = set()
@@ -278,7 +278,12 @@ class _Run:
         nbytes = int(tokens * self.gw.config.kv_bytes_per_token)
         self.md_holds = len(self.prompt)
         self.gw.metrics.wan_bytes.inc(nbytes)
-        self.gw.estimator.observe(self.md.url, nbytes, max(time.monotonic() - started, 1e-6))
+        # The call spans two round trips besides the bulk: the request to MD and MD's pull
+        # request to P. The rate is the bulk's; only pulls of 1 MiB or more count (estimator).
+        link = self.gw.estimator.estimate(self.md.url)
+        bulk_s = time.monotonic() - started - 2 * link.rtt_s
+        if bulk_s > 0:
+            self.gw.estimator.observe(self.md.url, nbytes, bulk_s)
         self.gw.index.record(self.md, self.prompt)
 
     async def _prefetch(self) -> bool:
