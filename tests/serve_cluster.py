@@ -51,8 +51,8 @@ def engine(role: str, *extra: str) -> Proc:
     return Proc("engine", "--role", role, "--port", "0", "--pool-pages", "2048", *extra)
 
 
-def gateway(prefill: list[str], relay: list[str], main: list[str], *extra: str) -> Proc:
-    args = ["serve", "--engine", "reference", "--port", "0", "--prefill", *prefill]
+def gateway(prefill: list[str], relay: list[str], main: list[str], *extra: str, dialect: str = "reference") -> Proc:
+    args = ["serve", "--engine", dialect, "--port", "0", "--prefill", *prefill]
     if relay:
         args += ["--relay", *relay]
     if main:

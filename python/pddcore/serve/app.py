@@ -119,7 +119,12 @@ class GatewayApp:
         return await p.tokenize(prompt=req.prompt)
 
     async def _detokenize(self, ids: list[int]) -> str:
-        return await self._tokenizer_engine().detokenize(ids)
+        try:
+            return await self._tokenizer_engine().detokenize(ids)
+        except UpstreamError as e:
+            if e.unreachable:
+                raise
+            return ""  # an engine without a tokenizer (vLLM --skip-tokenizer-init): token ids only, as vLLM answers
 
     def _tokenizer_engine(self):
         engine = least_loaded(self.gateway.prefill)
