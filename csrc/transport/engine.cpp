@@ -45,8 +45,11 @@ Engine::Engine(EngineOptions options)
   backends_ = make_backends(*this);
   backend_ = backends_.front().get();
   server_ = std::make_unique<ConnectionServer>(
-      std::move(listener), options_.max_connections, options_.max_connections_per_host,
-      [this](Socket& socket, const std::string& host) { serve_connection(socket, host); }, connections_refused_);
+      std::move(listener), ConnectionServer::limits_for(options_.max_connections, options_.max_connections_per_host),
+      [this](Socket& socket, const std::string& host, const ConnectionServer::Authenticated& authenticated) {
+        serve_connection(socket, host, authenticated);
+      },
+      connections_refused_);
   watchdog_thread_ = std::thread([this] { watchdog_loop(); });
 }
 
@@ -204,10 +207,12 @@ PeerPtr Engine::find_peer(uint64_t peer_key) const {
   return it == peers_.end() ? nullptr : it->second;
 }
 
-void Engine::serve_connection(Socket& socket, const std::string& host) {
+void Engine::serve_connection(Socket& socket, const std::string& host,
+                              const ConnectionServer::Authenticated& authenticated) {
   try {
     if (tls_) tls_->secure_server(socket, options_.timeout_s);
     const ClientHello hello = accept_handshake(socket, handshake_);
+    if (!authenticated()) return;  // the authenticated budget is full
     // A client listening on a wildcard address is reachable at the address it came from.
     HostPort from = parse_address(hello.address);
     if (from.host == "0.0.0.0") from.host = host;

@@ -146,7 +146,7 @@ class Engine final : public BackendHost {
   };
 
   // Serves an accepted connection: TLS, the handshake, then control or a backend's data.
-  void serve_connection(Socket& socket, const std::string& host);
+  void serve_connection(Socket& socket, const std::string& host, const ConnectionServer::Authenticated& authenticated);
   void serve_control(const Socket& s, const std::string& from, uint64_t from_engine_id);
   void read_control_replies(const PeerPtr& peer);
   void watchdog_loop();

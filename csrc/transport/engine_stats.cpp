@@ -25,6 +25,7 @@ StatsMap Engine::totals() const {
           {"messages_sent", double(messages_sent_)},
           {"messages_received", double(messages_received_)},
           {"connections_refused", double(connections_refused_)},
+          {"accept_stalls", double(server_->accept_stalls())},
           {"tls_errors", double(tls_errors_)},
           {"connections_idled", double(connections_idled_)}};
 }

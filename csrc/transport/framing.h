@@ -5,6 +5,7 @@
 
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -34,8 +35,16 @@ bool recv_frame(const Socket& s, Header* header, std::string* payload, const cha
     s.recv_all(header_bytes, sizeof(header_bytes));
   }
   if (!header->decode(header_bytes)) throw TransferError(std::string("malformed ") + what);
-  payload->resize(header->length);
-  s.recv_all(payload->data(), payload->size());
+  // The buffer grows as bytes arrive (doubling), never to the announced length up front: a
+  // peer announcing the largest frame and sending nothing holds no more than kFirstPiece.
+  constexpr size_t kFirstPiece = 4096;
+  payload->clear();
+  for (size_t got = 0; got < header->length;) {
+    const size_t piece = std::min<size_t>(header->length - got, std::max(got, kFirstPiece));
+    payload->resize(got + piece);
+    s.recv_all(payload->data() + got, piece);
+    got += piece;
+  }
   return true;
 }
 

@@ -8,9 +8,10 @@ namespace pddcore::transfer {
 bool Inbox::push(InboxEntry entry) {
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    room_.wait(lock, [&] { return closed_ || entries_.empty() || bytes_ + entry.payload.size() <= max_bytes_; });
+    const uint64_t cost = entry.payload.size() + entry.sender.size() + kEntryOverhead;
+    room_.wait(lock, [&] { return closed_ || entries_.empty() || bytes_ + cost <= max_bytes_; });
     if (closed_) return false;
-    bytes_ += entry.payload.size();
+    bytes_ += cost;
     entries_.push_back(std::move(entry));
   }
   arrived_.notify_all();

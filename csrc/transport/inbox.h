@@ -1,6 +1,7 @@
 // Received priority-lane messages and write notifications, waiting for poll_messages().
 // Bounded in bytes: a peer whose next message would not fit waits, so a flood stalls
-// that peer's control connection instead of this process's memory.
+// that peer's control connection instead of this process's memory. Each entry counts its
+// payload and sender plus kEntryOverhead, so empty messages fill the inbox too.
 #pragma once
 
 #include <condition_variable>
@@ -23,6 +24,10 @@ struct InboxEntry {
 
 class Inbox {
  public:
+  // What an entry costs beyond its payload and sender address: the entry itself, its
+  // strings' allocations and the deque's share (around a hundred bytes); rounded up.
+  static constexpr uint64_t kEntryOverhead = 256;
+
   explicit Inbox(uint64_t max_bytes) : max_bytes_(max_bytes) {}
 
   // Waits for room (one entry always fits an empty inbox); false once closed.

@@ -284,11 +284,21 @@ class TransferEngine:
             ends must set it. Meant for the WAN leg; inside a datacenter the token suffices.
         timeout_s: connect deadline, one deadline for a whole handshake, and how long a peer
             may acknowledge nothing before its transfers fail.
-        max_connections, max_connections_per_host: connections served at once, in all and
-            from one IP address, counted before authentication; more are closed at accept
-            (``stats()["connections_refused"]``).
+        max_connections, max_connections_per_host: authenticated connections served at
+            once, in all and from one IP address; beyond them a connection is closed once it
+            authenticates. ``max_connections`` is clamped to 40 % of this process's file
+            descriptor limit (all served connections together stay within half of it).
+            Connections still in their handshake have their own budget, a quarter of each
+            (at least 1): beyond the per-address one a new connection is closed at accept,
+            and when the one in all is full, a newcomer from an address holding fewer
+            handshakes displaces the oldest handshake of the address holding the most, so a
+            flood from a few hosts cannot keep an authenticated peer out. Every connection so
+            closed counts in ``stats()["connections_refused"]``; ``stats()["accept_stalls"]``
+            counts accepts that failed for want of file descriptors (the listener then backs
+            off, up to half a second, instead of spinning).
         max_inbox_bytes: received messages and notifications waiting for
-            :meth:`poll_messages`; a peer sending more waits until there is room.
+            :meth:`poll_messages`, each counted as its payload and sender address plus 256
+            bytes (so empty messages fill it too); a peer sending more waits until there is room.
         congestion_control: the kernel's TCP congestion control for the data connections this
             engine dials (``"cubic"``, ``"bbr"``, ...; see :func:`available_congestion_controls`);
             None: the system default. It governs how a lossy, long path is filled. The default,
