@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from pddcore import _C
 from pddcore.benchmarks import crc_cases, extend_cases, handoff_cases, loss_cases, radix_cases, stream_cases
 from pddcore.benchmarks.plots import write_plots
+from pddcore.benchmarks.results import Result
 from pddcore.cli import main
 from pddcore.testing.wan import unavailable_reason
 
@@ -44,7 +46,8 @@ def _expected_rows(cases: dict) -> dict:
     """(case, what) -> (value, baseline), recomputed from the raw figures of the points."""
     expected = {}
     for p in cases["pack"]["points"]:
-        tag = f"{p['page_bytes'] >> 10} KiB pages, {p['threads']} thr"
+        pages = "vLLM rows" if p["vllm_rows"] else f"{p['page_bytes'] >> 10} KiB pages"
+        tag = f"{pages}, {p['threads']} thr"
         copy_gbps = p["total_bytes"] / p["copy_s"] / 1e9
         expected["pack", f"pack {tag}"] = (p["total_bytes"] / p["pack_s"] / 1e9, copy_gbps)
         expected["pack", f"unpack {tag}"] = (p["total_bytes"] / p["unpack_s"] / 1e9, copy_gbps)
@@ -66,8 +69,9 @@ def test_cli_pack_and_radix(tmp_path, capsys):
     assert set(res["cases"]) == {"pack", "radix"}
     pack_points = res["cases"]["pack"]["points"]
     # --quick: 32 KiB pages, 1 and 2 threads; each contender moves 16 MiB (128 pages x 2 layers x K,V)
-    assert [(p["page_bytes"], p["threads"]) for p in pack_points] == [(32 << 10, 1), (32 << 10, 2)]
-    assert all(p["total_bytes"] == 128 * 4 * (32 << 10) for p in pack_points)
+    assert [(p["page_bytes"], p["threads"], p["vllm_rows"]) for p in pack_points] == [
+        (128 << 10, 1, False), (128 << 10, 2, False), (32 << 10, 1, True), (32 << 10, 2, True)]
+    assert all(p["total_bytes"] == 16 << 20 for p in pack_points)
     assert all(p["pack_gbps"] == pytest.approx(p["total_bytes"] / p["pack_s"] / 1e9) for p in pack_points)
     # The radix hit rate, recomputed from the trace itself: the quick point's 2M-token
     # capacity keeps every shared context, so both caches find exactly the longest
@@ -169,3 +173,29 @@ def test_stream_case_few_trials():
     for mode in stream_cases.MODES:
         assert 0 < r.link_readings[mode]["busy_bps"] <= 1.05 * r.rate_bps, r.link_readings
         assert 0 <= r.link_readings[mode]["path_limited_bps"] <= 1.05 * r.rate_bps, r.link_readings
+
+
+def test_a_result_is_its_fields_then_each_derived_figure_with_nested_results_expanded():
+    @dataclass
+    class Leg(Result):
+        seconds: float
+
+        @property
+        def ms(self) -> float:
+            return 1000 * self.seconds
+
+    @dataclass
+    class Trip(Result):
+        legs: list[Leg]
+        name: str
+
+        @property
+        def total_ms(self) -> float:
+            return sum(leg.ms for leg in self.legs)
+
+    assert Trip([Leg(0.5), Leg(0.25)], "x").as_dict() == {
+        "legs": [{"seconds": 0.5, "ms": 500.0}, {"seconds": 0.25, "ms": 250.0}], "name": "x", "total_ms": 750.0}
+    # A real case: the speedup and the per-token time are derived, not stored.
+    assert extend_cases.ExtendResult(prefix=100, new_tokens=4, decode_steps_s=0.8, extend_s=0.2).as_dict() == {
+        "prefix": 100, "new_tokens": 4, "decode_steps_s": 0.8, "extend_s": 0.2, "speedup": 4.0,
+        "extend_ms_per_token": 50.0}

@@ -246,6 +246,29 @@ def test_large_pack_uses_threads_correctly(threads):
         pddcore.set_num_threads(old)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind,page_size,dim,heads", [("kv_rows_nhd", 16, 128, None), ("kv_rows_hnd", 64, 37, (1, 6))])
+def test_packs_past_the_streaming_threshold_match_the_reference(threads, kind, page_size, dim, heads):
+    """More than 8 MiB: stores bypass the cache and the pool is read in address order.
+    37-byte int8 cells put every row off 16-byte alignment."""
+    k, v = strided_pool(kind, 2, 300, page_size, 8, dim, torch.int8 if dim == 37 else torch.float16, seed=11)
+    layout = KVLayout.from_tensors(k, v)
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:260]
+    assert layout.packed_nbytes(len(ids), heads=heads) > 8 << 20
+    old = pddcore.get_num_threads()
+    try:
+        pddcore.set_num_threads(threads)
+        buf = pack(layout, ids, heads=heads)
+        assert torch.equal(buf, reference_pack(k, v, ids, heads=heads))
+        dk, dv = strided_pool(kind, 2, 300, page_size, 8, dim, k[0].dtype, seed=12)
+        unpack(KVLayout.from_tensors(dk, dv), ids, buf, heads=heads)
+        h = slice(*heads) if heads else slice(None)
+        for a, b in zip(k + v, dk + dv):
+            assert torch.equal(a[ids][:, :, h], b[ids][:, :, h])
+    finally:
+        pddcore.set_num_threads(old)
+
+
 # ---- validation: every failure leaves the destination untouched ---------------------------
 
 @pytest.fixture

@@ -46,12 +46,13 @@ from typing import Callable
 from . import (codec_cases, codec_wan, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, peer_cases,
                radix_cases, rdma_cases, stream_cases, tls_cases, transfer_cases)
 from .plots import write_plots
+from .results import Result
 
 CASES = ("pack", "transfer", "tls", "wan", "loss", "peers", "wan10g", "stream", "handoff", "extend", "radix", "codec")
 
 
 @dataclass
-class Row:
+class Row(Result):
     """One line of the results table: a measurement, its baseline and their ratio."""
 
     case: str
@@ -64,10 +65,6 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.value / self.baseline if self.baseline else float("nan")
-
-    def as_dict(self) -> dict:
-        return {"case": self.case, "what": self.what, "value": self.value, "unit": self.unit,
-                "baseline_name": self.baseline_name, "baseline": self.baseline, "ratio": self.ratio}
 
 
 @dataclass
@@ -85,13 +82,10 @@ class Skipped(Exception):
 
 
 def case_pack(quick: bool, backend: str) -> CaseOutput:
-    points = [(32 << 10, t) for t in pack_cases.THREADS] if quick else [
-        (p, t) for p in pack_cases.PAGE_BYTES for t in pack_cases.THREADS]
-    total = (16 << 20) if quick else (64 << 20)
-    results = [pack_cases.run_case(p, t, total_bytes=total) for p, t in points]
+    results = pack_cases.run_points(quick)
     rows = []
     for r in results:
-        tag = f"{r.page_bytes >> 10} KiB pages, {r.threads} thr"
+        tag = f"{r.label}, {r.threads} thr"
         rows.append(Row("pack", f"pack {tag}", r.pack_gbps, "copy_", r.copy_gbps, "GB/s"))
         rows.append(Row("pack", f"unpack {tag}", r.unpack_gbps, "copy_", r.copy_gbps, "GB/s"))
     return CaseOutput({"points": [r.as_dict() for r in results]}, pack_cases.format_table(results), rows)

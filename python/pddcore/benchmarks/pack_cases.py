@@ -1,9 +1,11 @@
 """pack / unpack throughput against a contiguous copy of the same bytes.
 
-Each case builds a K/V pool whose pages have the given size, packs a random
-permutation of half its pages (so no two ids are adjacent and nothing coalesces), and
-compares GB/s with ``torch.Tensor.copy_`` of the same number of contiguous bytes, with
+Each case builds a K/V pool whose pages have the given size (dense pages, or vLLM 0.33's
+rows whose K and V halves alternate), packs a random permutation of half its pages (so
+no two ids are adjacent and nothing coalesces), and compares GB/s with
+``torch.Tensor.copy_`` of the same number of contiguous bytes on as many threads, with
 torch's ``index_select(..., out=)`` per plane and with a naive ``index_select`` + ``cat``.
+The quick points are the goal rows: dense 128 KiB pages and vLLM rows, on 1 and 2 threads.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pddcore
 
 from .timing import best_seconds
 
-PAGE_BYTES = (2 << 10, 32 << 10, 256 << 10)
+PAGE_BYTES = (2 << 10, 32 << 10, 128 << 10, 256 << 10)
 THREADS = (1, 2)
 
 
@@ -26,6 +28,7 @@ class PackResult:
 
     page_bytes: int
     threads: int
+    vllm_rows: bool
     total_bytes: int
     copy_s: float
     pack_s: float
@@ -55,6 +58,10 @@ class PackResult:
     @property
     def naive_gbps(self) -> float:
         return self._gbps(self.naive_s)
+
+    @property
+    def label(self) -> str:
+        return "vLLM rows" if self.vllm_rows else f"{self.page_bytes >> 10} KiB pages"
 
     @property
     def pack_ratio(self) -> float:
@@ -115,14 +122,26 @@ def run_case(page_bytes: int, threads: int, total_bytes: int = 64 << 20, layers:
     finally:
         pddcore.set_num_threads(old_pdd)
         torch.set_num_threads(old_torch)
-    return PackResult(page_bytes, threads, moved, copy, packed, unpacked, index_out, naive)
+    return PackResult(page_bytes, threads, vllm_rows, moved, copy, packed, unpacked, index_out, naive)
+
+
+def points(quick: bool) -> list[tuple[int, int, bool]]:
+    """(page bytes, threads, vLLM rows) of a run: the goal rows, and every dense page size
+    unless ``quick``."""
+    dense = [128 << 10] if quick else list(PAGE_BYTES)
+    return [(p, t, False) for p in dense for t in THREADS] + [(0, t, True) for t in THREADS]
+
+
+def run_points(quick: bool) -> list[PackResult]:
+    total = (16 << 20) if quick else (64 << 20)
+    return [run_case(p, t, total_bytes=total, vllm_rows=v) for p, t, v in points(quick)]
 
 
 def format_table(results: list[PackResult]) -> str:
-    lines = [f"{'page':>8} {'thr':>3} {'copy GB/s':>9} {'pack':>6} {'unpack':>6} {'idx_sel(out)':>12} {'naive':>6}"
+    lines = [f"{'pages':>15} {'thr':>3} {'copy GB/s':>9} {'pack':>6} {'unpack':>6} {'idx_sel(out)':>12} {'naive':>6}"
              "   (ratios to copy)"]
     for r in results:
         d = r.as_dict()
-        lines.append(f"{r.page_bytes // 1024:>6}Ki {r.threads:>3} {r.copy_gbps:>9.2f} {d['pack_ratio']:>6.2f} "
+        lines.append(f"{r.label:>15} {r.threads:>3} {r.copy_gbps:>9.2f} {d['pack_ratio']:>6.2f} "
                      f"{d['unpack_ratio']:>6.2f} {d['index_select_out_ratio']:>12.2f} {d['naive_ratio']:>6.2f}")
     return "\n".join(lines)

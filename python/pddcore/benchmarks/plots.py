@@ -32,7 +32,7 @@ def write_plots(cases: dict, out_dir: str) -> list[str]:
         pts = cases["pack"]["points"]
         fig, ax = plt.subplots(figsize=(6, 4))
         for threads in sorted({p["threads"] for p in pts}):
-            sel = [p for p in pts if p["threads"] == threads]
+            sel = [p for p in pts if p["threads"] == threads and not p["vllm_rows"]]
             x = [p["page_bytes"] / 1024 for p in sel]
             ax.plot(x, [p["pack_gbps"] for p in sel], "o-", label=f"pack, {threads} thr")
             ax.plot(x, [p["unpack_gbps"] for p in sel], "s--", label=f"unpack, {threads} thr")
