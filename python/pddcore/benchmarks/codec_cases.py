@@ -19,13 +19,14 @@ Example::
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from .. import codec
 from .codec_greedy import GreedyAgreement, greedy_agreement
 from .codec_kv import checkpoint_kv, embedded_kv, one_thread
+from .results import Result
 from .timing import best_seconds
 
 CODECS = ("none", "zstd", "lz4", "fp8")
@@ -34,7 +35,7 @@ FP8_BOUND = 2.0 ** -4  # half of E4M3's relative step 2^-3: the rounding bound, 
 
 
 @dataclass
-class CodecPoint:
+class CodecPoint(Result):
     kv: str  # where the KV came from and its dtype
     codec: str
     raw_bytes: int
@@ -47,21 +48,15 @@ class CodecPoint:
     def ratio(self) -> float:
         return self.raw_bytes / self.frame_bytes
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio}
-
 
 @dataclass
-class Fp8Error:
+class Fp8Error(Result):
     kv: str
     max_abs: float
     mean_abs: float
     max_rel_amax: float  # max over elements of |error| / the amax of its page
     mean_rel_amax: float
     bound_rel_amax: float = FP8_BOUND
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 # ---- ratio and speed --------------------------------------------------------------------------------------
@@ -117,15 +112,11 @@ def fp8_error(kv_name: str, kv: torch.Tensor) -> Fp8Error:
 
 
 @dataclass
-class CodecReport:
+class CodecReport(Result):
     points: list[CodecPoint]
-    fp8: list[Fp8Error]
+    fp8_error: list[Fp8Error]
     greedy: list[GreedyAgreement]
     checkpoint: str  # "measured: <name>" or why it was skipped
-
-    def as_dict(self) -> dict:
-        return {"points": [p.as_dict() for p in self.points], "fp8_error": [e.as_dict() for e in self.fp8],
-                "greedy": [g.as_dict() for g in self.greedy], "checkpoint": self.checkpoint}
 
 
 def run(quick: bool) -> CodecReport:
@@ -145,7 +136,7 @@ def format_report(r: CodecReport) -> str:
                      f"{p.memcpy_gbps:>11.2f}")
     lines.append(f"\nFP8 E4M3, one scale per page (bound: {FP8_BOUND:g} of the page amax)")
     lines.append("KV                   max abs err  mean abs err  max err/amax  mean err/amax")
-    for e in r.fp8:
+    for e in r.fp8_error:
         lines.append(f"{e.kv:<20} {e.max_abs:>11.4g}  {e.mean_abs:>12.4g}  {e.max_rel_amax:>12.4g}  "
                      f"{e.mean_rel_amax:>13.4g}")
     for g in r.greedy:

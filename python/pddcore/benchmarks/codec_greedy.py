@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,10 +24,11 @@ from .. import codec, pack, unpack
 from ..deploy.trace import agentic_trace
 from ..model import Model, SamplerState, SamplingParams, sample, token_agreement
 from .codec_kv import PAGE_SIZE, one_thread
+from .results import Result
 
 
 @dataclass
-class GreedyAgreement:
+class GreedyAgreement(Result):
     arm: str  # how the prefix KV was altered (a key of ROUNDTRIPS)
     requests: int
     identical: int
@@ -39,9 +40,6 @@ class GreedyAgreement:
     @property
     def identical_fraction(self) -> float:
         return self.identical / self.requests
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "identical_fraction": self.identical_fraction}
 
 
 # How the prefix KV reaches MD in each arm of the greedy comparison: through the FP8 codec,

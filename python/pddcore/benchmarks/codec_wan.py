@@ -25,7 +25,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +36,7 @@ from .auth import bench_token
 from .codec_cases import CODECS
 from .handoff_cases import MODELS, await_message, bench_model, handoff_tokens
 from .handoff_cases import PAGE_SIZE as WAN_PAGE_SIZE  # 100 handed-off tokens fill whole pages
+from .results import Result
 from .transfer_cases import desc_address, read_info, write_info
 
 WAN_RATES = ("200mbit", "1gbit")
@@ -47,7 +48,7 @@ _WARM_UP = -1  # an untimed first send opens the data connections
 
 
 @dataclass
-class WanPoint:
+class WanPoint(Result):
     """One payload through one codec, per trial, in milliseconds. ``end_to_end``: P starts
     packing until MD's unpack into its pool returned; the sum of ``sender`` (pack, encode,
     copy into staging, post the write), ``wire`` (until MD has the notification: every byte
@@ -68,12 +69,13 @@ class WanPoint:
     def median_ms(self) -> float:
         return statistics.median(self.end_to_end_ms)
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "median_ms": self.median_ms, "ratio": self.raw_bytes / self.wire_bytes}
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.wire_bytes
 
 
 @dataclass
-class WanResult:
+class WanResult(Result):
     model: str
     dtype: str
     rate_bps: int
@@ -91,9 +93,6 @@ class WanResult:
     def line_rate_ms(self, point: WanPoint) -> float:
         """The raw KV at the link's rate plus one one-way delay: the floor without a codec."""
         return point.raw_bytes * 8 / self.rate_bps * 1e3 + self.rtt_ms / 2
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "link": self.link, "points": [p.as_dict() for p in self.points]}
 
 
 def _ms(earlier: tuple[float, ...], later: tuple[float, ...]) -> list[float]:

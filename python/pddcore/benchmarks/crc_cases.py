@@ -8,18 +8,19 @@ memory`` one pass over a buffer far larger than the caches.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import _C
+from .results import Result
 from .timing import best_seconds
 
 PIECE_BYTES = 256 << 10
 
 
 @dataclass
-class CrcResult:
+class CrcResult(Result):
     implementation: str
     where: str  # "in cache" or "from memory"
     nbytes: int
@@ -29,9 +30,6 @@ class CrcResult:
     @property
     def ratio(self) -> float:
         return self.crc_gbps / self.memcpy_gbps
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio}
 
 
 def _rate(fn, nbytes: int, calls: int) -> float:

@@ -8,18 +8,19 @@ to rounding (float64), which every point checks before it is reported.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from ..model import Model
+from .results import Result
 from .timing import best_seconds
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 @dataclass
-class ExtendResult:
+class ExtendResult(Result):
     prefix: int
     new_tokens: int
     decode_steps_s: float
@@ -30,9 +31,9 @@ class ExtendResult:
         """N decode steps over one extend of N tokens."""
         return self.decode_steps_s / self.extend_s
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "extend_speedup_vs_decode_steps": self.speedup,
-                "extend_ms_per_token": 1000 * self.extend_s / self.new_tokens}
+    @property
+    def extend_ms_per_token(self) -> float:
+        return 1000 * self.extend_s / self.new_tokens
 
 
 def extend_vs_decode_steps(model: Model, prefix_len: int, new_tokens: int, *, repeats: int = 3) -> ExtendResult:

@@ -15,16 +15,17 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .auth import bench_token
+from .results import Result
 from .transfer_cases import desc_address, engine_sink, read_info
 
 LOSSES = (0.0001, 0.001, 0.01)
 
 
 @dataclass
-class LossResult:
+class LossResult(Result):
     rate_bps: float
     rtt_ms: float
     loss: float
@@ -45,9 +46,6 @@ class LossResult:
     @property
     def bdp_bytes(self) -> float:
         return self.rate_bps / 8 * self.rtt_ms / 1000
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "ratio_to_line_rate": self.ratio, "bdp_bytes": self.bdp_bytes}
 
 
 def _source(info_path: str, nbytes: int, piece_bytes: int, streams: int, chunk_bytes: int,

@@ -38,11 +38,12 @@ import os
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .peer_engines import PDDCORE, Contender, peers
+from .results import Result
 from .transfer_cases import read_info, write_info
 
 PIECES: tuple[int | None, ...] = (64 << 10, 1 << 20, None)  # None: the whole transfer as one write
@@ -150,7 +151,7 @@ class Measurement:
 
 
 @dataclass
-class PeerResult:
+class PeerResult(Result):
     """One link point and piece size: pddcore's and each peer's goodput beside the line rate."""
 
     rate_bps: int
@@ -180,19 +181,13 @@ class PeerResult:
         mtu = "" if self.mtu == 1500 else f", MTU {self.mtu}"
         return f"{self.line_gbps:g} Gbit/s, {self.rtt_ms:g} ms RTT, {100 * self.loss:g} % loss{mtu}"
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "line_gbps": self.line_gbps, "bdp_bytes": self.bdp_bytes}
-
 
 @dataclass
-class PeersReport:
+class PeersReport(Result):
     results: list[PeerResult]
     skipped: dict[str, str]  # peer -> why it did not run here
     knobs: dict[str, dict[str, str]]  # peer -> the environment it ran under
     congestion_control: str  # of every contender's connections
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _wait_for_receiver(receiver, info_path: str, timeout_s: float = 60.0) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..radix import RadixCache
+from . import results
 
 VOCAB = 152_064
 SHARED_FRACTION = 0.9
@@ -73,7 +74,7 @@ class HashChainCache:
 
 
 @dataclass
-class Result:
+class Result(results.Result):
     """One point: ``tokens`` looked up over ``requests`` requests; the seconds each cache
     spent matching and inserting them all; the share of ``tokens`` each found cached."""
 
@@ -118,12 +119,6 @@ class Result:
         radix_s = 1 / self.radix_match_ops_s + 1 / self.radix_insert_ops_s
         chain_s = 1 / self.chain_match_ops_s + 1 / self.chain_insert_ops_s
         return chain_s / radix_s
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "radix_match_ops_s": self.radix_match_ops_s,
-                "radix_insert_ops_s": self.radix_insert_ops_s, "chain_match_ops_s": self.chain_match_ops_s,
-                "chain_insert_ops_s": self.chain_insert_ops_s, "match_ratio": self.match_ratio,
-                "insert_ratio": self.insert_ratio, "request_ratio": self.request_ratio}
 
     def table(self) -> str:
         return (f"{self.requests} requests, {self.tokens / self.requests / 1024:.1f}K tokens each on average, "

@@ -9,7 +9,9 @@ goodput / the port's line rate as the kernel reports it in
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from .results import Result
 
 SYSFS = "/sys/class/infiniband"
 
@@ -32,7 +34,7 @@ def nic_line_rate(device: str | None = None, port: int = 1) -> tuple[str, float]
 
 
 @dataclass
-class LineRateResult:
+class LineRateResult(Result):
     device: str
     line_gbit: float
     nbytes: int
@@ -43,9 +45,6 @@ class LineRateResult:
     @property
     def ratio(self) -> float:
         return self.goodput_gbit / self.line_gbit
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "ratio_to_line_rate": self.ratio}
 
 
 def rdma_vs_line_rate(nbytes: int = 1 << 30, rounds: int = 3, chunk_bytes: int = 16 << 20,

@@ -26,10 +26,11 @@ import statistics
 import struct
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .auth import bench_token
 from .handoff_cases import MODELS, bench_model
+from .results import Result
 from .transfer_cases import desc_address, read_info, write_info
 
 PAGE_SIZE = 16
@@ -40,7 +41,7 @@ _WARM_UP = 0xFFFF_FFFF  # an untimed first stream opens the data connections
 
 
 @dataclass
-class StreamResult:
+class StreamResult(Result):
     model: str
     tokens: int
     kv_bytes: int
@@ -58,11 +59,17 @@ class StreamResult:
         """The KV's bytes at the link's rate plus one one-way delay: the floor after prefill."""
         return self.kv_bytes * 8 / self.rate_bps * 1e3 + self.rtt_ms / 2
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "line_rate_ms": self.line_rate_ms,
-                "streamed_median_ms": statistics.median(self.streamed_ms),
-                "after_prefill_median_ms": statistics.median(self.after_prefill_ms),
-                "prefill_median_ms": statistics.median(self.prefill_ms)}
+    @property
+    def streamed_median_ms(self) -> float:
+        return statistics.median(self.streamed_ms)
+
+    @property
+    def after_prefill_median_ms(self) -> float:
+        return statistics.median(self.after_prefill_ms)
+
+    @property
+    def prefill_median_ms(self) -> float:
+        return statistics.median(self.prefill_ms)
 
 
 def _document(tokens: int, vocab: int) -> list[int]:

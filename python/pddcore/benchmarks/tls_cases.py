@@ -18,14 +18,15 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .auth import bench_token
+from .results import Result
 from .transfer_cases import desc_address, engine_sink, read_info
 
 
 @dataclass
-class TlsResult:
+class TlsResult(Result):
     where: str  # "loopback" or "wan <rate> <rtt>"
     streams: int
     chunk_bytes: int
@@ -37,9 +38,6 @@ class TlsResult:
     @property
     def ratio(self) -> float:
         return self.tls_gbps / self.plain_gbps
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio}
 
 
 def _write_rounds(descs: dict[bool, bytes], data, streams: int, chunk_bytes: int, rounds: int) -> dict[bool, float]:

@@ -25,9 +25,10 @@ import struct
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .auth import bench_token
+from .results import Result
 
 CHUNK_BYTES = (64 << 10, 1 << 20, 16 << 20)
 STREAMS = (1, 4, 8)
@@ -133,7 +134,7 @@ def _raw_round(port: int, data: memoryview, streams: int, piece: int) -> float:
 
 
 @dataclass
-class LoopbackResult:
+class LoopbackResult(Result):
     chunk_bytes: int
     streams: int
     nbytes: int
@@ -144,9 +145,6 @@ class LoopbackResult:
     @property
     def ratio(self) -> float:
         return self.engine_gbps / self.raw_gbps
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio}
 
 
 def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 4, chunk_sizes=CHUNK_BYTES,
@@ -289,7 +287,7 @@ def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, c
 
 
 @dataclass
-class WanResult:
+class WanResult(Result):
     rate_bps: int
     rtt_ms: float
     nbytes: int
@@ -313,12 +311,21 @@ class WanResult:
     def ratio_to_line_rate(self) -> float:
         return self.goodput_gbps * 1e9 / self.rate_bps
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "ratio_to_line_rate": self.ratio_to_line_rate,
-                "loaded_over_idle": self.loaded_latency_ms / self.idle_latency_ms,
-                "paced_over_idle": self.paced_latency_ms / self.idle_latency_ms,
-                "auto_over_idle": self.auto_latency_ms / self.idle_latency_ms,
-                "auto_ratio_to_line_rate": self.auto_goodput_gbps * 1e9 / self.rate_bps}
+    @property
+    def auto_ratio_to_line_rate(self) -> float:
+        return self.auto_goodput_gbps * 1e9 / self.rate_bps
+
+    @property
+    def loaded_over_idle(self) -> float:
+        return self.loaded_latency_ms / self.idle_latency_ms
+
+    @property
+    def paced_over_idle(self) -> float:
+        return self.paced_latency_ms / self.idle_latency_ms
+
+    @property
+    def auto_over_idle(self) -> float:
+        return self.auto_latency_ms / self.idle_latency_ms
 
 
 def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30, piece_bytes: int = 64 << 10,

@@ -16,9 +16,10 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..testing.wan import WanLink
+from .results import Result
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -62,7 +63,7 @@ def _udp_hold(port: int, seconds: float) -> None:
 
 
 @dataclass
-class DelayLineResult:
+class DelayLineResult(Result):
     mtu: int
     forwarded_packets: int
     cpu_seconds: float
@@ -78,9 +79,6 @@ class DelayLineResult:
     @property
     def ratio_10g(self) -> float:
         return self.pps_per_core / self.pps_needed_10g
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "ratio_1g": self.ratio_1g, "ratio_10g": self.ratio_10g}
 
 
 def delay_line_capacity(mtu: int, seconds: float = 3.0) -> DelayLineResult:
@@ -145,7 +143,7 @@ def _tcp_send(address: str, port: int, seconds: float, streams: int = 1) -> None
 
 
 @dataclass
-class TcpResult:
+class TcpResult(Result):
     offload: bool
     streams: int
     rate_bps: int | None
@@ -157,9 +155,6 @@ class TcpResult:
     @property
     def ratio(self) -> float:
         return self.steady_gbps * 1e9 / self.rate_bps if self.rate_bps else float("nan")
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "ratio_to_line_rate": self.ratio}
 
 
 def bulk_tcp(rate: str | None, delay_ms: float, seconds: float = 6.0, offload: bool = True,
