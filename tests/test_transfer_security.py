@@ -514,6 +514,38 @@ def test_an_unconfirmed_cancel_keeps_the_destination_quarantined():
             proxy.close()
 
 
+def test_unregister_that_times_out_leaves_the_region_registered_and_a_retry_works():
+    """A chunk is still being written into the receiver's region when unregister() gives up
+    (timeout_s 0.5 s, the chunk takes seconds): it raises, and the region stays registered
+    (listed, its memory kept) though no new chunk reaches it; retried while the chunk goes
+    on it raises the same way, and once the chunk is done a retry unregisters it."""
+    chunk = 256 << 10
+    with TransferEngine(auth_token=TOKEN, timeout_s=0.5) as receiver, \
+            TransferEngine(auth_token=TOKEN, streams=1, chunk_bytes=chunk, timeout_s=30) as sender:
+        proxy = ThrottledProxy(receiver.address, rate=64 << 10)
+        try:
+            dst = torch.zeros(chunk, dtype=torch.uint8)
+            region = receiver.register(dst, target=True)
+            src = sender.register(torch.full((chunk,), 0xAB, dtype=torch.uint8))
+            peer = sender.connect(proxy.address)
+            t = sender.write(peer, src, 0, region.descriptor(), 0, chunk)
+            wait_until(lambda: int(dst.count_nonzero()) > 0)
+            for _ in range(2):
+                with pytest.raises(TransferError, match="still in use by a chunk .* call unregister again"):
+                    receiver.unregister(region)
+                assert region in receiver.regions()
+            proxy.released.set()
+            t.wait(timeout=60)  # that chunk began before the unregister: it completes
+            receiver.unregister(region)
+            assert region not in receiver.regions()
+            with pytest.raises(ValueError, match="not registered"):
+                receiver.unregister(region)
+            with pytest.raises(TransferError, match="unknown destination region"):
+                sender.write(peer, src, 0, region.descriptor(), 0, 64).wait(timeout=60)
+        finally:
+            proxy.close()
+
+
 def test_cancel_then_immediate_reuse_sees_no_stale_byte():
     """A transfer cancelled mid-flight: once cancel() returns, the destination is reused and
     no byte of the cancelled transfer lands in it afterwards."""

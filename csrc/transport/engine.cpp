@@ -111,24 +111,41 @@ uint64_t Engine::register_memory(uintptr_t base, uint64_t size, bool target, boo
 }
 
 void Engine::unregister_memory(uint64_t region_id) {
+  RegionPtr region;
   {
-    std::lock_guard<std::mutex> lock(transfers_mutex_);
-    for (const auto& [id, active] : active_)
-      if (std::count(active.source_regions.begin(), active.source_regions.end(), region_id))
-        throw TransferError("region " + std::to_string(region_id) +
-                            " is the source of an active transfer; wait for it or cancel it first");
+    std::lock_guard<std::mutex> lock(retiring_mutex_);
+    auto it = retiring_.find(region_id);
+    if (it != retiring_.end()) region = it->second;  // a retry after a timeout: wait again
   }
-  const RegionPtr region = regions_.remove(region_id, [&](uint64_t id) {
-    for (auto& backend : backends_) backend->deregister_memory(id);
-  });
+  if (!region) {
+    {
+      std::lock_guard<std::mutex> lock(transfers_mutex_);
+      for (const auto& [id, active] : active_)
+        if (std::count(active.source_regions.begin(), active.source_regions.end(), region_id))
+          throw TransferError("region " + std::to_string(region_id) +
+                              " is the source of an active transfer; wait for it or cancel it first");
+    }
+    region = regions_.remove(region_id, [&](uint64_t id) {
+      for (auto& backend : backends_) backend->deregister_memory(id);
+    });
+    std::lock_guard<std::mutex> lock(retiring_mutex_);
+    retiring_.emplace(region_id, region);
+  }
   // Chunks being sent from or received into the region hold a reference; they finish
-  // within a socket deadline.
+  // within a socket deadline. Until they have, the region stays retiring: withdrawn (no new
+  // chunk finds it) but not unregistered, so the caller keeps its memory and may retry.
+  const std::weak_ptr<const Region> watched = region;
+  region.reset();  // what counts is retiring_'s reference and the chunks' (concurrent retries hold none)
   const int64_t deadline = now_ns() + static_cast<int64_t>(options_.timeout_s * 1e9);
-  while (region.use_count() > 1) {
+  while (watched.use_count() > 1) {
     if (now_ns() > deadline)
-      throw TransferError("region " + std::to_string(region_id) + " still in use by a chunk after timeout_s");
+      throw TransferError("region " + std::to_string(region_id) +
+                          " is still in use by a chunk after timeout_s; it is withdrawn (no new chunk reaches it) but "
+                          "stays registered, its memory in use: call unregister again");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  std::lock_guard<std::mutex> lock(retiring_mutex_);
+  retiring_.erase(region_id);
 }
 
 RegionPtr Engine::find_region(uint64_t region_id) { return regions_.find(region_id); }

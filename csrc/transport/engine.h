@@ -92,8 +92,10 @@ class Engine final : public BackendHost {
   // target: peers may write into the region; otherwise it is a source, only read here.
   // listed_address: a target's listing shows its virtual address (else 0).
   uint64_t register_memory(uintptr_t base, uint64_t size, bool target, bool listed_address);
-  // Refuses while the region is the source of an active transfer; otherwise waits (up to
-  // timeout_s) until no chunk reads or writes it any more.
+  // Refuses while the region is the source of an active transfer; otherwise withdraws it
+  // (no new chunk finds it) and waits (up to timeout_s) until no chunk reads or writes it any
+  // more. On that timeout it throws and the region stays retiring: a later call waits again,
+  // and returns once the last chunk let go.
   void unregister_memory(uint64_t region_id);
 
   // backend: the data path to this peer ("": the engine's default backend).
@@ -179,6 +181,8 @@ class Engine final : public BackendHost {
   bool closed_ = false;
 
   RegionRegistry regions_;
+  std::mutex retiring_mutex_;
+  std::unordered_map<uint64_t, RegionPtr> retiring_;  // withdrawn, a chunk still held them at the last unregister
   Inbox inbox_;
   FenceTable fences_;
   RateLimiter rate_limiter_;

@@ -437,7 +437,11 @@ class TransferEngine:
         return region
 
     def unregister(self, region: Region) -> None:
-        """Unregisters; refused while the region is the source of an active transfer."""
+        """Unregisters; refused while the region is the source of an active transfer.
+        Otherwise the region is withdrawn at once (no new chunk reaches it), and this waits
+        up to ``timeout_s`` for chunks still reading or writing it. If one still is, it raises
+        TransferError and the region stays registered (in :meth:`regions`, its memory kept
+        alive): call it again, and it returns once the last chunk let go."""
         self._check_own(region)
         self._core.unregister_memory(region.id)
         with self._lock:
