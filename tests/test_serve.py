@@ -296,3 +296,16 @@ def test_sessions_stay_on_the_md_that_holds_their_prefix(engines, spare):
     assert [md for md, _ in follow_ups] == firsts
     assert all(held for _, held in follow_ups)  # the estimate: turn 1's whole pages
     assert set(firsts) == {e["md"].url, spare.url}
+
+
+def test_concurrent_requests_each_get_their_own_tokens_once(engines, gateways):
+    """Requests in flight together on the dual-send route: none is lost, duplicated or mixed up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(23)
+    prompts = [prompt_of(rng) for _ in range(5)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: stream_tokens(gateways["P_RLD_MD"], p, 60), prompts))
+    for prompt, (ids, _, trace) in zip(prompts, results):
+        assert ids == oracle(engines, prompt, 60), trace
+        assert len(trace["sources"]) == 60
