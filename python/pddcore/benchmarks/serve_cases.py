@@ -33,6 +33,7 @@ import requests
 from .._stats import percentiles
 from ..deploy.trace import agentic_trace
 from ..testing.wan import WanLink
+from .results import Result
 
 __all__ = ["ServeResult", "serve_case", "format_table"]
 
@@ -42,15 +43,26 @@ BANDWIDTH_MBIT, DELAY_MS, TTFT_SLO_S = 100, 25.0, 0.2
 
 
 @dataclass
-class ServeResult:
+class ServeResult(Result):
     requests: int
-    modes: dict = field(default_factory=dict)  # mode -> summary
+    modes: dict = field(default_factory=dict)  # "pd" / "pdd" -> summary (see _summary)
     identical_tokens: bool = False
     gateway_tpot_ms: float = 0.0
     direct_tpot_ms: float = 0.0
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    @property
+    def ttft_p90_ratio(self) -> float:
+        """PDD's TTFT p90 over cross-DC PD's (the goal: <= 0.6)."""
+        return self.modes["pdd"]["ttft_s"][90] / self.modes["pd"]["ttft_s"][90]
+
+    @property
+    def handoff_gap_over_tpot(self) -> float:
+        """The median handoff gap in median PDD TPOTs."""
+        return self.modes["pdd"]["handoff_gap_s"][50] / self.modes["pdd"]["tpot_s"][50]
+
+    @property
+    def gateway_tpot_ratio(self) -> float:
+        return self.gateway_tpot_ms / self.direct_tpot_ms
 
 
 class _Launched:
@@ -211,8 +223,7 @@ def format_table(r: ServeResult) -> str:
     lines.append(f"{'WAN KV (MB)':<22}{pd['wan_kv_bytes'] / 1e6:>14.2f}{pdd['wan_kv_bytes'] / 1e6:>14.2f}")
     lines.append(f"routes: PD {pd['routes']}, PDD {pdd['routes']}; identical tokens: {r.identical_tokens}")
     lines.append(f"handoffs {pdd['handoffs']}, gap median {pdd['handoff_gap_s'][50] * 1e3:.1f} ms = "
-                 f"{pdd['handoff_gap_s'][50] / pdd['tpot_s'][50]:.2f}x the median TPOT")
+                 f"{r.handoff_gap_over_tpot:.2f}x the median TPOT")
     lines.append(f"gateway TPOT {r.gateway_tpot_ms:.2f} ms against {r.direct_tpot_ms:.2f} ms from the engine directly "
-                 f"({r.gateway_tpot_ms / r.direct_tpot_ms:.2f}x, {r.gateway_tpot_ms - r.direct_tpot_ms:+.2f} ms "
-                 "per token)")
+                 f"({r.gateway_tpot_ratio:.2f}x, {r.gateway_tpot_ms - r.direct_tpot_ms:+.2f} ms per token)")
     return "\n".join(lines)
