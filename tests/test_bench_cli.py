@@ -68,7 +68,7 @@ def test_cli_pack_and_radix(tmp_path, capsys):
         assert key in machine
     assert set(res["cases"]) == {"pack", "radix"}
     pack_points = res["cases"]["pack"]["points"]
-    # --quick: 32 KiB pages, 1 and 2 threads; each contender moves 16 MiB (128 pages x 2 layers x K,V)
+    # --quick: the goal rows, dense 128 KiB pages and vLLM rows on 1 and 2 threads; each moves 16 MiB
     assert [(p["page_bytes"], p["threads"], p["vllm_rows"]) for p in pack_points] == [
         (128 << 10, 1, False), (128 << 10, 2, False), (32 << 10, 1, True), (32 << 10, 2, True)]
     assert all(p["total_bytes"] == 16 << 20 for p in pack_points)

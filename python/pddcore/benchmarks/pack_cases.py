@@ -10,12 +10,13 @@ The quick points are the goal rows: dense 128 KiB pages and vLLM rows, on 1 and 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 import pddcore
 
+from .results import Result
 from .timing import best_seconds
 
 PAGE_BYTES = (2 << 10, 32 << 10, 128 << 10, 256 << 10)
@@ -23,7 +24,7 @@ THREADS = (1, 2)
 
 
 @dataclass
-class PackResult:
+class PackResult(Result):
     """One point: ``total_bytes`` moved by each contender, and the best time (seconds) of each."""
 
     page_bytes: int
@@ -71,12 +72,13 @@ class PackResult:
     def unpack_ratio(self) -> float:
         return self.unpack_gbps / self.copy_gbps
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "copy_gbps": self.copy_gbps, "pack_gbps": self.pack_gbps,
-                "unpack_gbps": self.unpack_gbps, "index_select_out_gbps": self.index_select_out_gbps,
-                "naive_gbps": self.naive_gbps, "pack_ratio": self.pack_ratio, "unpack_ratio": self.unpack_ratio,
-                "index_select_out_ratio": self.index_select_out_gbps / self.copy_gbps,
-                "naive_ratio": self.naive_gbps / self.copy_gbps}
+    @property
+    def index_select_out_ratio(self) -> float:
+        return self.index_select_out_gbps / self.copy_gbps
+
+    @property
+    def naive_ratio(self) -> float:
+        return self.naive_gbps / self.copy_gbps
 
 
 # vLLM 0.33's cells: 16 tokens x 8 heads x 128 fp16 per K (and V) page, the two halves of each row side by side.
@@ -141,7 +143,6 @@ def format_table(results: list[PackResult]) -> str:
     lines = [f"{'pages':>15} {'thr':>3} {'copy GB/s':>9} {'pack':>6} {'unpack':>6} {'idx_sel(out)':>12} {'naive':>6}"
              "   (ratios to copy)"]
     for r in results:
-        d = r.as_dict()
-        lines.append(f"{r.label:>15} {r.threads:>3} {r.copy_gbps:>9.2f} {d['pack_ratio']:>6.2f} "
-                     f"{d['unpack_ratio']:>6.2f} {d['index_select_out_ratio']:>12.2f} {d['naive_ratio']:>6.2f}")
+        lines.append(f"{r.label:>15} {r.threads:>3} {r.copy_gbps:>9.2f} {r.pack_ratio:>6.2f} "
+                     f"{r.unpack_ratio:>6.2f} {r.index_select_out_ratio:>12.2f} {r.naive_ratio:>6.2f}")
     return "\n".join(lines)
