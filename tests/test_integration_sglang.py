@@ -413,6 +413,29 @@ def test_manager_layout_is_on_the_kv_device(pair):
         mgr.close()
 
 
+def test_every_cuda_path_runs_on_the_kv_gpu(pair, monkeypatch):
+    """Prefill KV on GPU 3, decode KV on GPU 2 (torch.cuda stood in for, the bytes on the CPU):
+    the sender packs and waits with GPU 3 current, and the decode side unpacks on the manager's
+    message thread, where no GPU is current unless the backend makes its own so."""
+    from fake_cuda import FakeCuda
+
+    from pddcore.integrations.sglang import receiver as receiver_module
+    from pddcore.integrations.sglang import sender as sender_module
+
+    cuda = FakeCuda(monkeypatch)
+    cuda.watch(monkeypatch, sender_module, "pack")
+    cuda.watch(monkeypatch, receiver_module, "unpack")
+    assert pair.move(90, [1], [1]) == (KVPoll.Success, KVPoll.Success)  # the decode side built its layout
+    cuda.calls.clear()
+    pair.prefill.device, pair.decode.device = torch.device("cuda", 3), torch.device("cuda", 2)
+    assert pair.move(91, [3, 4], [5, 6]) == (KVPoll.Success, KVPoll.Success)
+    assert torch.equal(torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)[:, [5, 6]], pair.pages()[:, [3, 4]])
+    gpu = {"pack": torch.device("cuda", 3), "unpack": torch.device("cuda", 2)}
+    assert {name for name, _ in cuda.calls} == {"pack", "unpack", "synchronize"}, cuda.calls
+    assert [c for c in cuda.calls if c[0] in gpu and c[1] != gpu[c[0]]] == []
+    assert sorted({str(d) for name, d in cuda.calls if name == "synchronize"}) == ["cuda:2", "cuda:3"]
+
+
 def test_staging_buffers_are_registered_once_and_reused(pair):
     registered = {"prefill": 0, "decode": 0}
     for side in registered:
@@ -623,7 +646,7 @@ def test_wildcard_host_advertises_the_local_ip(monkeypatch):
     from sglang.srt.utils.network import get_local_ip_auto
 
     monkeypatch.delenv(pdd.HOST_ENV)
-    monkeypatch.setenv("PDDCORE_AUTH_TOKEN", "sglang-test")  # an engine beyond loopback requires one
+    monkeypatch.setenv("PDDCORE_AUTH_TOKEN", "sglang-test-token-2f8e5b1d7a4c9063")  # an engine beyond loopback requires one
     try:
         local_ip = get_local_ip_auto()
     except ValueError as exc:
@@ -745,7 +768,7 @@ def test_generation_end_to_end_on_gpu(tmp_path, monkeypatch):
     import json
 
     pdd.install()
-    monkeypatch.setenv("PDDCORE_AUTH_TOKEN", "gpu-test")  # the engines' scheduler processes inherit it
+    monkeypatch.setenv("PDDCORE_AUTH_TOKEN", "gpu-test-token-7c3a9e5d1b8f2046")  # the engines' scheduler processes inherit it
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000,

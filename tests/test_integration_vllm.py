@@ -625,9 +625,77 @@ def test_hybrid_model_gets_a_clear_error(model_dir):
             PDDConnector(config, role, hybrid)
 
 
-def test_piecewise_cudagraphs_and_any_layout():
-    assert PDDConnector.requires_piecewise_for_cudagraph({}) is True  # save_kv_layer runs between layers
-    assert PDDConnector.get_required_kvcache_layout(None) is None
+@pytest.mark.parametrize("push", [False, True])
+def test_a_step_replayed_as_a_full_cuda_graph_ships_its_kv(model_dir, push):
+    """A full CUDA graph replays the forward without the per-layer hooks: no save_kv_layer runs.
+    wait_for_save packs every layer itself, so the consumer still gets the blocks (pulled or
+    pushed), and the connector leaves vLLM's full CUDA graphs on for every role."""
+    pw = make_worker(model_dir, "kv_producer", seed=71)
+    cw = make_worker(model_dir, "kv_consumer", seed=72)
+    try:
+        assert PDDConnector.requires_piecewise_for_cudagraph({}) is False
+        p_blocks, d_blocks = [3, 8, 5], [10, 12, 14]
+        meta = PDDConnectorMetadata(saves={"p-req": p_blocks}, pushes={"p-req": [cw.conn.address]} if push else {})
+        worker_step(pw, meta, forward=False)  # the step's forward was a graph replay
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+        params = pushed_params(pw, "p-req", p_blocks) if push else dict(pushed_params(pw, "p-req", p_blocks),
+                                                                         pdd_pushed=False)
+        pull(cw, "d-req", params, d_blocks)
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving and r[0].finished_sending)
+        assert not results[1].failed_recving and not errors[1]
+        assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks))
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_every_cuda_path_runs_on_the_kv_gpu(model_dir, monkeypatch, push):
+    """KV on GPU 3 of the producer and GPU 2 of the consumer (torch.cuda stood in for, the bytes
+    on the CPU): every pack, unpack, stream wait and event runs with that GPU current, on every
+    path (per-layer saves, the wait after them, pulls served from the message pump, head-sliced
+    unpacks at load completion, push events)."""
+    from fake_cuda import FakeCuda
+
+    from pddcore.integrations.vllm import consumer, producer, push_consumer
+
+    cuda = FakeCuda(monkeypatch)
+    p_gpu, d_gpu = torch.device("cuda", 3), torch.device("cuda", 2)
+    gpu = {"producer pack": p_gpu, "consumer unpack": d_gpu, "push buffer pack": d_gpu, "push buffer unpack": d_gpu}
+    for module, name, label in [(producer, "pack", "producer pack"), (consumer, "unpack", "consumer unpack"),
+                                (push_consumer, "pack", "push buffer pack"), (push_consumer, "unpack", "push buffer unpack")]:
+        cuda.watch(monkeypatch, module, name, label)
+    tp = 1 if push else 2  # push: equal TP sizes; pull: TP 2 -> 1, head-sliced on both ends
+    pws = [make_worker(model_dir, "kv_producer", r, tp, HEADS // tp, seed=81 + r) for r in range(tp)]
+    cws = [make_worker(model_dir, "kv_consumer", seed=83)]
+    for w in pws:
+        w.conn.kv_device = p_gpu
+    for w in cws:
+        w.conn.kv_device = d_gpu
+    try:
+        p_blocks, d_blocks = [3, 8], [10, 12]
+        for w in pws:
+            meta = PDDConnectorMetadata(saves={"p-req": p_blocks}, pushes={"p-req": [cws[0].conn.address]} if push else {})
+            worker_step(w, meta, forward=True)
+            worker_step(w, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+        params = dict(pushed_params(pws[0], "p-req", p_blocks), pdd_addresses=[w.conn.address for w in pws],
+                      tp_size=len(pws), pdd_pushed=push)
+        for w in cws:
+            pull(w, "d-req", params, d_blocks)
+        results, errors = drive([w.conn for w in pws + cws], lambda r, e: all(
+            x.finished_recving for x in r[len(pws):]) and all(x.finished_sending for x in r[:len(pws)]))
+        assert not any(x.failed_recving for x in results) and not any(errors)
+        want = [torch.cat(parts, dim=2) for parts in zip(*(w.blocks(p_blocks) for w in pws))]  # all heads
+        assert as_bytes(cws[0].blocks(d_blocks)) == as_bytes(want)
+        kinds = {name for name, _ in cuda.calls}
+        used = {"producer pack", "synchronize"} | ({"push buffer unpack", "record"} if push else {"consumer unpack"})
+        assert used <= kinds, kinds
+        wrong = [(name, device) for name, device in cuda.calls if device != gpu.get(name, device)
+                 or device not in (p_gpu, d_gpu)]  # also: a stream of another device, or none current
+        assert not wrong, wrong
+    finally:
+        for w in pws + cws:
+            w.conn.shutdown()
 
 
 def test_rdma_backend_moves_blocks(model_dir):
@@ -657,11 +725,11 @@ def test_wildcard_host_is_advertised_as_the_routable_address(model_dir, monkeypa
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.9")
     with pytest.raises(ValueError, match="needs an auth_token"):
         make_worker(model_dir, "kv_producer", extra={"host": "0.0.0.0"})
-    w = make_worker(model_dir, "kv_producer", extra={"host": "0.0.0.0", "auth_token": "t"})
+    w = make_worker(model_dir, "kv_producer", extra={"host": "0.0.0.0", "auth_token": "vllm-test-token-3e7b1d9a5c2f8046"})
     try:
         host, _, port = w.conn.get_handshake_metadata().address.rpartition(":")
         assert host == "127.0.0.9" and int(port) > 0
-        with TransferEngine(auth_token="t") as peer:
+        with TransferEngine(auth_token="vllm-test-token-3e7b1d9a5c2f8046") as peer:
             assert peer.connect(w.conn.address).connected
     finally:
         w.conn.shutdown()
@@ -989,7 +1057,7 @@ def test_generation_end_to_end_on_gpu(tmp_path):
     common = dict(model=str(tmp_path), skip_tokenizer_init=True, load_format="dummy", seed=0, enforce_eager=True,
                   max_model_len=512, gpu_memory_utilization=0.15)
     transfer = dict(kv_connector="PDDConnector", kv_connector_module_path="pddcore.integrations.vllm",
-                    kv_connector_extra_config={"auth_token": "gpu-test"})
+                    kv_connector_extra_config={"auth_token": "gpu-test-token-7c3a9e5d1b8f2046"})
     prompt = {"prompt_token_ids": list(range(3, 83))}
     baseline = LLM(**common).generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
     producer = LLM(**common, kv_transfer_config={**transfer, "kv_role": "kv_producer"})

@@ -25,6 +25,7 @@ import torch
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
 from ...pack import unpack
+from .._device import on_device, wait_for_stream
 from .._heads import head_slices
 from .._staging import StagingBuffer
 from .manager import PDDKVManager
@@ -169,7 +170,8 @@ class PDDKVReceiver(BaseKVReceiver):
                 if last is None or len(box.chunks.get(src_rank, ())) != last + 1:
                     return
             try:
-                self._apply()
+                with on_device(self.kv_mgr.device):  # the manager's message thread has GPU 0 current
+                    self._apply()
             except Exception as exc:
                 return self._fail(f"applying received KV failed: {exc}")
             self._state = KVPoll.Success
@@ -184,8 +186,7 @@ class PDDKVReceiver(BaseKVReceiver):
             for ptr, item_len in zip(self.kv_mgr.kv_args.aux_data_ptrs, self.kv_mgr.kv_args.aux_item_lens):
                 ctypes.memmove(ptr + self._aux_index * item_len, src, item_len)
                 src += item_len
-        if layout.device.type == "cuda":
-            torch.cuda.current_stream(layout.device).synchronize()
+        wait_for_stream(self.kv_mgr.device)
         self.kv_mgr.staging.release(self._staging)
         self._staging = None
 

@@ -24,6 +24,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransfer
 
 from ...pack import pack
 from ...transfer import Transfer
+from .._device import on_device, wait_for_stream
 from .._heads import destinations_of
 from .._staging import StagingBuffer
 from .manager import PDDKVManager
@@ -161,9 +162,9 @@ class PDDKVSender(BaseKVSender):
         if n:
             buf = mgr.staging.acquire(layout.packed_nbytes(n, heads=reg.src_heads))
             self._buffers.append(buf)
-            pack(layout, pages, heads=reg.src_heads, out=buf.tensor)
-            if layout.device.type == "cuda":  # the engine reads the buffer from its own threads
-                torch.cuda.current_stream(layout.device).synchronize()
+            with on_device(mgr.device):
+                pack(layout, pages, heads=reg.src_heads, out=buf.tensor)
+                wait_for_stream(mgr.device)  # the engine reads the buffer from its own threads
             # The decode segment is layer-major with every plane holding all reg.num_pages pages;
             # this chunk's pages go after the _sent_pages already written in each plane.
             src_off = dst_off = 0

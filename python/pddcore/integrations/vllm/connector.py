@@ -11,7 +11,7 @@ Example (what vLLM does with ``kv_connector_module_path="pddcore.integrations.vl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
@@ -48,7 +48,3 @@ class PDDConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
         return None  # KVLayout takes any cell strides vLLM allocates
-
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # save_kv_layer runs between layers: it cannot live inside a captured graph

@@ -23,6 +23,7 @@ import torch
 
 from ...pack import unpack
 from ...transfer import Message
+from .._device import on_kv_device, wait_for_stream
 from .._heads import head_slices
 from .._messages import MalformedMessage
 from .._staging import StagingBuffer
@@ -67,6 +68,7 @@ class ConsumerWorker:
         self._pending_loads: dict[str, _PendingLoad] = {}
         self._load_errors: set[int] = set()
 
+    @on_kv_device
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, PDDConnectorMetadata):
@@ -219,8 +221,7 @@ class ConsumerWorker:
             staging = pending.staging.tensor
             for seg in pending.segments:
                 unpack(self.layout, pending.pages, staging[seg.offset:seg.offset + seg.nbytes], heads=seg.dst_heads)
-        if self.layout.device.type == "cuda":
-            torch.cuda.current_stream(self.layout.device).synchronize()
+        wait_for_stream(self.kv_device)
         self._release_staging(pending)
         del self._pending_loads[pending.req_id]
         self._finished_recving.add(pending.req_id)

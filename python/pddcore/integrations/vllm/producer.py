@@ -28,6 +28,7 @@ import torch
 from ...layout import KVLayout
 from ...pack import pack
 from ...transfer import Message, Transfer
+from .._device import on_kv_device, wait_for_stream
 from .._heads import destinations_of
 from .._messages import MalformedMessage
 from .._staging import StagingBuffer, StagingPool
@@ -51,6 +52,7 @@ class _Staged:
     buffer: StagingBuffer
     layout: KVLayout
     layer_offsets: list[int]
+    packed: set[int] = field(default_factory=set)
     ready: bool = False
     deadline: float | None = None
     consumers: int = 1
@@ -86,6 +88,7 @@ class ProducerWorker:
         self._pulls: dict[str, list[tuple[str, dict]]] = {}   # req -> pull requests not served yet
         self._serving: dict[str, list[tuple[Transfer, StagingBuffer | None, dict]]] = {}
 
+    @on_kv_device
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, PDDConnectorMetadata) or not meta.saves or layer_name not in self._layer_index:
@@ -93,20 +96,29 @@ class ProducerWorker:
         layer = self._layer_index[layer_name]
         pushing = []
         for req_id, block_ids in meta.saves.items():
-            staged = self._staged.get(req_id)
-            if staged is None or staged.ready:  # a copy from an earlier step names blocks the request may have lost
-                if staged is not None:
-                    self._drop_send(req_id)
-                staged = self._staged[req_id] = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
-                staged.consumers = meta.consumers.get(req_id, 1)
-                if req_id in meta.pushes:
-                    self._start_push(req_id, staged, meta.pushes[req_id])
-            lo, hi = staged.layer_range(layer)
-            pack(self.layout, staged.pages, layers=[layer], out=staged.buffer.tensor[lo:hi])
+            staged = self._staged_for_step(req_id, block_ids, meta)
+            self._pack_layer(staged, layer)
             if staged.push is not None:
                 pushing.append((req_id, staged))
         if pushing:
             self._push_packed_layer(layer, pushing)
+
+    def _staged_for_step(self, req_id: str, block_ids: list[int], meta: PDDConnectorMetadata) -> _Staged:
+        """The copy this step's save of ``req_id`` fills, staged from this step's blocks."""
+        staged = self._staged.get(req_id)
+        if staged is None or staged.ready:  # a copy from an earlier step names blocks the request may have lost
+            if staged is not None:
+                self._drop_send(req_id)
+            staged = self._staged[req_id] = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
+            staged.consumers = meta.consumers.get(req_id, 1)
+            if req_id in meta.pushes:
+                self._start_push(req_id, staged, meta.pushes[req_id])
+        return staged
+
+    def _pack_layer(self, staged: _Staged, layer: int) -> None:
+        lo, hi = staged.layer_range(layer)
+        pack(self.layout, staged.pages, layers=[layer], out=staged.buffer.tensor[lo:hi])
+        staged.packed.add(layer)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Frees the staged copy of every preempted request: vLLM freed its blocks, and no
@@ -117,12 +129,22 @@ class ProducerWorker:
             if req_id in self._staged and req_id not in self._serving:
                 self._drop_send(req_id)
 
+    @on_kv_device
     def wait_for_save(self) -> None:
+        """Packs the layers ``save_kv_layer`` did not see (all of them when vLLM replays a full
+        CUDA graph, which skips the per-layer hooks), waits for the packs, then serves."""
         meta = self._connector_metadata
         if not isinstance(meta, PDDConnectorMetadata):
             return
-        if meta.saves and self.layout.device.type == "cuda":
-            torch.cuda.current_stream(self.layout.device).synchronize()
+        for req_id, block_ids in meta.saves.items():
+            staged = self._staged_for_step(req_id, block_ids, meta)
+            for layer in range(self.layout.num_layers):
+                if layer not in staged.packed:
+                    self._pack_layer(staged, layer)
+                    if staged.push is not None:
+                        staged.push.packed[layer] = None  # the wait below covers it
+        if meta.saves:
+            wait_for_stream(self.kv_device)
         for req_id in meta.saves:
             staged = self._staged[req_id]
             staged.ready = True

@@ -92,12 +92,12 @@ class PushProducer:
 
     def _push_packed_layer(self, layer: int, pushing: list[tuple[str, "_Staged"]]) -> None:
         """``save_kv_layer``'s part: notes ``layer`` packed and posts what is ready to go."""
-        on_gpu = self.layout.device.type == "cuda"
+        on_gpu = self.kv_device.type == "cuda"
         for _, staged in pushing:
             previous = staged.push.packed.get(layer - 1)
             if on_gpu:
                 event = staged.push.packed[layer] = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.layout.device))
+                event.record(torch.cuda.current_stream(self.kv_device))
                 if previous is not None and any(t.stream is not None for t in staged.push.targets):
                     previous.synchronize()
             else:

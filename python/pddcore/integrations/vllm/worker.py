@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, K
 
 from ...layout import KVLayout
 from ...transfer import Message, TransferEngine
+from .._device import on_kv_device
 from .._messages import MalformedMessage
 from .._peers import Peers
 from .._staging import StagingPool
@@ -53,6 +54,7 @@ class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
         self.gpudirect = bool(extra.get("gpudirect", False))
         self.address = f"{self.host}:{self.engine.address.rpartition(':')[2]}"
         self.layout: KVLayout | None = None
+        self.kv_device = torch.device("cpu")  # the KV caches' device, once registered
         self.staging: StagingPool | None = None
         self.pages_per_block = 1
         self._layer_index: dict[str, int] = {}
@@ -98,6 +100,7 @@ class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
             raise ValueError(f"{self.layout.num_pages} kernel blocks do not split evenly into {num_blocks} blocks")
         self.pages_per_block = self.layout.num_pages // num_blocks
         self.total_kv_heads = 1 if self.layout.is_mla else self.layout.planes[0].num_heads * self.tp_size
+        self.kv_device = self.layout.device
         self.staging = StagingPool(self.engine, self.layout.device, gpudirect=self.gpudirect)
 
     def _pages(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
@@ -126,6 +129,7 @@ class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
                     "refused": self._on_refused, "stream_failed": self._on_stream_failed}
         handlers[msg["k"]](message, msg)  # MESSAGES admits no other kind
 
+    @on_kv_device
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._pump()
         self._progress_pushes()

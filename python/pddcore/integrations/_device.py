@@ -1,0 +1,53 @@
+"""The GPU an adapter's KV pool lives on, made current wherever the adapter queues CUDA work.
+
+An engine's scheduler thread has its own GPU current, but an adapter also packs and unpacks
+from other threads (SGLang's message pump, a transfer thread), where the current device is
+GPU 0. Every entry point that touches the pool therefore runs under :func:`on_device`, and
+waits for and records on that device's current stream, never the null stream of another GPU.
+
+Example::
+
+    with on_device(layout.device):        # torch.cuda.device(cuda:3); nothing on the CPU
+        pack(layout, pages, out=buf)
+        wait_for_stream(layout.device)     # the pack ran: the engine may read buf
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["on_device", "on_kv_device", "wait_for_stream"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """Makes ``device`` the current CUDA device while the body runs (no-op off CUDA)."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+def on_kv_device(method: F) -> F:
+    """Runs ``method`` under :func:`on_device` of its object's ``kv_device``."""
+
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with on_device(self.kv_device):
+            return method(self, *args, **kwargs)
+
+    return guarded  # type: ignore[return-value]
+
+
+def wait_for_stream(device: torch.device) -> None:
+    """Waits for the work queued so far on ``device``'s current stream (no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
