@@ -23,7 +23,7 @@ from pddcore.testing.wan import unavailable_reason as wan_unavailable
 LOSSLESS = ["none", "zstd", "lz4"]
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-TOKEN = b"codec-test-token"
+TOKEN = b"codec-test-token-3c9d2e7a1f5b8046"
 # bfloat16 bit patterns a lossless codec must carry untouched: quiet and signalling NaNs
 # with payloads, both infinities, denormals, negative zero, the extremes.
 BF16_SPECIALS = [0x7FC0, 0x7F81, 0xFFC1, 0x7FFF, 0x7F80, 0xFF80, 0x0001, 0x807F, 0x8000, 0x7F7F, 0x0080]

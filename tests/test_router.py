@@ -195,7 +195,8 @@ def test_compression_estimator_learns_from_a_real_codec_send():
     from pddcore import TransferEngine, codec
 
     kv = torch.randn(64, 16, 2, 64).to(torch.bfloat16)
-    with TransferEngine(auth_token=b"t") as md, TransferEngine(auth_token=b"t") as p:
+    token = b"router-test-token-6e1d4a8c2f7b9053"
+    with TransferEngine(auth_token=token) as md, TransferEngine(auth_token=token) as p:
         inbox, outbox = codec.Staging(md, 1 << 20, target=True), codec.Staging(p, 1 << 20)
         send = codec.send_compressed(p, p.connect(md.address), kv, "zstd", inbox.descriptor(), key=b"r",
                                      staging=outbox)

@@ -18,7 +18,7 @@ from pddcore.streaming import (LayerStreamReceiver, LayerStreamSender, StreamErr
                                encode_notification)
 from pddcore.transfer import Message, TransferEngine, TransferError
 
-TOKEN = b"stream-token"
+TOKEN = b"stream-test-token-4b7e1a9d3c6f2085"
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,15 @@ import torch
 
 from pddcore.transfer import TransferEngine, available_congestion_controls
 
+CC_TOKEN = b"congestion-test-token-5d2a8f1c7e4b9036"
+
 pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read the sockets")
 
 
 def data_connection_algorithms(**sender_options) -> list[str]:
     """The congestion control of each established connection to a receiver the sender wrote to."""
-    with TransferEngine(auth_token=b"cc") as receiver, \
-            TransferEngine(auth_token=b"cc", streams=3, **sender_options) as sender:
+    with TransferEngine(auth_token=CC_TOKEN) as receiver, \
+            TransferEngine(auth_token=CC_TOKEN, streams=3, **sender_options) as sender:
         dst = torch.zeros(1 << 20, dtype=torch.uint8)
         region = receiver.register(dst, target=True)
         src = sender.register(torch.full((1 << 20,), 7, dtype=torch.uint8))
@@ -52,7 +54,7 @@ def test_unknown_congestion_control_is_refused():
 
 
 def test_peer_stats_show_the_data_connections_window():
-    with TransferEngine(auth_token=b"cc") as receiver, TransferEngine(auth_token=b"cc", streams=3) as sender:
+    with TransferEngine(auth_token=CC_TOKEN) as receiver, TransferEngine(auth_token=CC_TOKEN, streams=3) as sender:
         region = receiver.register(torch.zeros(8 << 20, dtype=torch.uint8), target=True)
         src = sender.register(torch.ones(8 << 20, dtype=torch.uint8))
         peer = sender.connect(receiver.address)

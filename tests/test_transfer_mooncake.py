@@ -7,7 +7,7 @@ import torch
 
 from pddcore.transfer_mooncake import MooncakeCompatEngine
 
-TOKEN = b"mooncake-adapter"
+TOKEN = b"mooncake-adapter-9d2c5f8a1e4b7036"
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_refused_session_returns_minus_one(pair):
     a, _ = pair
     src = torch.ones(64, dtype=torch.uint8)
     a.register(src.data_ptr(), 64)
-    stranger = MooncakeCompatEngine("127.0.0.1", auth_token=b"another token")
+    stranger = MooncakeCompatEngine("127.0.0.1", auth_token=b"another-mooncake-token-1a2b3c4d5e6f")
     try:
         assert a.transfer_sync(stranger.get_session_id(), src.data_ptr(), 0x1000, 64) == -1
     finally:

@@ -33,7 +33,7 @@ if _C.rdma_compiled():
     from pddcore import _verbs_emulator
 
 MiB = 1 << 20
-TOKEN = b"rdma-token"
+TOKEN = b"rdma-test-token-8a1f3e6c2d9b5074"
 
 
 def emulated(**kwargs) -> TransferEngine:

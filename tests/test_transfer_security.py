@@ -113,12 +113,34 @@ def test_write_into_a_source_region_is_refused_and_changes_nothing():
 def test_engine_reachable_from_other_hosts_needs_a_token():
     with pytest.raises(ValueError, match="needs an auth_token"):
         TransferEngine(listen="0.0.0.0:0")
-    with pytest.raises(ValueError, match="must not be empty"):
+    with pytest.raises(ValueError, match="at least 128 random bits"):
         TransferEngine(listen="0.0.0.0:0", auth_token=b"")
     with TransferEngine(listen="0.0.0.0:0", auth_token=TOKEN), TransferEngine(listen="0.0.0.0:0", insecure=True):
         pass
     with TransferEngine(listen="127.0.0.1:0"):  # loopback: only this machine reaches it
         pass
+
+
+@pytest.mark.parametrize("weak", [b"", b"sunshine1", b"x" * 31, "conformance-token", b"password" * 4, b"ab" * 40])
+def test_tokens_with_fewer_than_128_bits_are_refused(weak):
+    """Shorter than 32 bytes (128 bits as hex), or fewer than 8 distinct bytes: refused
+    before anything listens, with the rule and the generator named."""
+    with pytest.raises(ValueError, match=r"at least 32 bytes .* of at least 8 distinct values.*pddcore token"):
+        TransferEngine(auth_token=weak)
+
+
+def test_pddcore_token_prints_a_new_256_bit_token_engines_accept():
+    import subprocess
+    import sys
+    tokens = [subprocess.run([sys.executable, "-m", "pddcore.cli", "token"], capture_output=True, text=True,
+                             check=True).stdout.strip() for _ in range(2)]
+    assert tokens[0] != tokens[1]
+    assert all(len(t) == 64 and int(t, 16) >= 0 for t in tokens)  # 32 bytes as hex
+    with TransferEngine(auth_token=tokens[0]) as a, TransferEngine(auth_token=tokens[0]) as b:
+        assert b.connect(a.address).connected
+    with TransferEngine(auth_token=tokens[0]) as a, TransferEngine(auth_token=tokens[1], timeout_s=5) as b:
+        with pytest.raises(TransferError, match="authentication failed"):
+            b.connect(a.address)
 
 
 def test_slow_loris_handshake_is_dropped_at_the_deadline():

@@ -31,7 +31,7 @@ BACKENDS = [
     pytest.param("rdma", id="rdma-emulated", marks=pytest.mark.skipif(
         not _C.rdma_compiled(), reason="rdma backend compiled out (no ibverbs headers at build time)")),
 ]
-TOKEN = b"conformance-token"
+TOKEN = b"conformance-token-7f3a9c2e5b8d1046"
 MiB = 1 << 20
 
 

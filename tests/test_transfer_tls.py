@@ -14,7 +14,7 @@ import torch
 
 from pddcore.transfer import TransferEngine, TransferError
 
-TOKEN = b"tls-test-token"
+TOKEN = b"tls-test-token-5e8b2d7f9a1c4036e2d1"
 MARKER = b"PLAINTEXT-MARKER-" * 4  # would be visible in the stream without encryption
 
 
@@ -117,7 +117,7 @@ def test_tampered_tls_record_is_detected_and_resent():
 def test_tls_ends_must_match():
     with TransferEngine(auth_token=TOKEN, tls=True, timeout_s=3) as tls_engine, \
             TransferEngine(auth_token=TOKEN, timeout_s=3) as plain, \
-            TransferEngine(auth_token=b"another token", tls=True, timeout_s=3) as other:
+            TransferEngine(auth_token=b"another-tls-token-0f9e8d7c6b5a4321", tls=True, timeout_s=3) as other:
         with pytest.raises(TransferError):
             plain.connect(tls_engine.address)
         with pytest.raises(TransferError, match="TLS handshake"):

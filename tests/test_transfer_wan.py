@@ -14,6 +14,8 @@ import pytest
 from pddcore.benchmarks.transfer_cases import read_info, write_info, desc_address
 from pddcore.testing.wan import WanLink, unavailable_reason
 
+WAN_TOKEN = b"wan-test-token-9b4e7a2d5c1f8063"
+
 _REASON = unavailable_reason()
 pytestmark = [pytest.mark.root, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
@@ -24,7 +26,7 @@ def _sink(listen: str, info_path: str, nbytes: int = NBYTES, writes: int = 1) ->
     """Receives until ``writes`` writes notified b"done" (writes may complete in any order)."""
     from pddcore.transfer import TransferEngine
 
-    with TransferEngine(listen=listen, auth_token=b"wan") as engine:
+    with TransferEngine(listen=listen, auth_token=WAN_TOKEN) as engine:
         buf = bytearray(nbytes)
         region = engine.register(buf, target=True)
         write_info(info_path, region.descriptor().hex())
@@ -43,7 +45,7 @@ def _source(info_path: str, nbytes: int = NBYTES, queue_delay_target_s: float | 
     data = os.urandom(nbytes)
     # cubic: a loss-based sender fills the bottleneck queue, which is what the delay pacer
     # exists to drain (bbr, the default where offered, keeps that queue short by itself).
-    with TransferEngine(auth_token=b"wan", streams=4, chunk_bytes=64 << 10, congestion_control="cubic",
+    with TransferEngine(auth_token=WAN_TOKEN, streams=4, chunk_bytes=64 << 10, congestion_control="cubic",
                         queue_delay_target_s=queue_delay_target_s) as engine:
         region = engine.register(bytearray(data))
         peer = engine.connect(desc_address(desc))
@@ -89,7 +91,7 @@ def _streaming_source(info_path: str, piece: int, pieces: int, gap_s: float) -> 
     from pddcore.transfer import TransferEngine
 
     desc = bytes.fromhex(read_info(info_path))
-    with TransferEngine(auth_token=b"wan", streams=4) as engine:
+    with TransferEngine(auth_token=WAN_TOKEN, streams=4) as engine:
         region = engine.register(bytearray(os.urandom(piece * pieces)))
         peer = engine.connect(desc_address(desc))
         futures = []

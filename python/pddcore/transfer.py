@@ -19,8 +19,10 @@ Example::
 
     import torch
     from pddcore import TransferEngine
+    from pddcore.transfer import new_auth_token
 
-    with TransferEngine(auth_token=b"secret") as md, TransferEngine(auth_token=b"secret") as p:
+    token = new_auth_token()           # the same on every engine of a deployment (`pddcore token`)
+    with TransferEngine(auth_token=token) as md, TransferEngine(auth_token=token) as p:
         dst = md.register(torch.zeros(1 << 20, dtype=torch.uint8), target=True)
         src = p.register(torch.randint(0, 255, (1 << 20,), dtype=torch.uint8))
         peer = p.connect(md.address)
@@ -49,6 +51,7 @@ The verbs emulator touches memory with the CPU, so it only takes host memory.
 from __future__ import annotations
 
 import ipaddress
+import secrets
 import struct
 import threading
 from dataclasses import dataclass
@@ -60,7 +63,15 @@ import torch
 from . import _C
 
 __all__ = ["TransferEngine", "Region", "Peer", "Transfer", "TransferError", "RegionDescriptor", "Message",
-           "available_congestion_controls"]
+           "available_congestion_controls", "new_auth_token", "MIN_AUTH_TOKEN_BYTES"]
+
+# An auth token keys the handshake's HMAC and the TLS PSK: one captured handshake lets an
+# attacker test guesses offline, as fast as they can compute HMACs. Only a token with at
+# least 128 random bits stands that. pddcore cannot see how random a token is, so it refuses
+# what is certainly too weak: fewer than 32 bytes (128 random bits written as hex) or fewer
+# than 8 distinct bytes (a repeated word), and new_auth_token() / `pddcore token` make one.
+MIN_AUTH_TOKEN_BYTES = 32
+_MIN_AUTH_TOKEN_DISTINCT_BYTES = 8
 
 TransferError = _C.TransferError
 TransferError.__doc__ = "A transfer, connection or handshake failed; the message names the cause."
@@ -109,6 +120,20 @@ def available_congestion_controls() -> list[str]:
             return f.read().split()
     except OSError:
         return []
+
+
+def new_auth_token() -> str:
+    """A new auth token: 32 bytes from the operating system's CSPRNG as 64 hex characters
+    (256 bits). Give every engine of a deployment the same one."""
+    return secrets.token_hex(32)
+
+
+def _check_auth_token(token: bytes) -> None:
+    if len(token) < MIN_AUTH_TOKEN_BYTES or len(set(token)) < _MIN_AUTH_TOKEN_DISTINCT_BYTES:
+        raise ValueError(f"auth_token must hold at least 128 random bits: at least {MIN_AUTH_TOKEN_BYTES} bytes "
+                         f"(128 bits as hex) of at least {_MIN_AUTH_TOKEN_DISTINCT_BYTES} distinct values, got "
+                         f"{len(token)} bytes of {len(set(token))}; `pddcore token` (or "
+                         "pddcore.transfer.new_auth_token()) prints a new 256-bit one")
 
 
 def _is_loopback(host: str) -> bool:
@@ -275,7 +300,10 @@ class TransferEngine:
         auth_token: when set, every connection must prove knowledge of this token with an
             HMAC-SHA256 challenge-response, both ways: this engine also refuses a peer that
             does not prove it. The token never crosses the wire. Required when ``listen`` is
-            not a loopback address, unless ``insecure=True``.
+            not a loopback address, unless ``insecure=True``. It must hold 128 random bits:
+            shorter than :data:`MIN_AUTH_TOKEN_BYTES` (32) bytes, or fewer than 8 distinct
+            bytes, is refused (ValueError); :func:`new_auth_token` or ``pddcore token`` makes
+            one. Every holder of the token can act as every engine of the deployment.
         insecure: allow listening beyond loopback without ``auth_token`` (a trusted network only).
         tls: TLS 1.3 on every connection (control, data, RDMA setup), AES-128-GCM with a key
             pre-shared through ``auth_token`` and fresh (EC)DHE keys per connection: what an
@@ -339,8 +367,8 @@ class TransferEngine:
             raise ValueError(f"listen must be 'host:port', got {listen!r}")
         if isinstance(auth_token, str):
             auth_token = auth_token.encode()
-        if auth_token is not None and not auth_token:
-            raise ValueError("auth_token must not be empty")
+        if auth_token is not None:
+            _check_auth_token(auth_token)
         if auth_token is None and not insecure and not _is_loopback(host):
             raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
                              "without one anybody who reaches the port can write into its target regions. Pass "

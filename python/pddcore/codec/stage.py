@@ -16,8 +16,10 @@ Example (one process, loopback)::
 
     import torch
     from pddcore import TransferEngine, codec
+    from pddcore.transfer import new_auth_token
 
-    with TransferEngine(auth_token=b"t") as md, TransferEngine(auth_token=b"t") as p:
+    token = new_auth_token()
+    with TransferEngine(auth_token=token) as md, TransferEngine(auth_token=token) as p:
         inbox = codec.Staging(md, 1 << 20, target=True)
         outbox = codec.Staging(p, 1 << 20)
         kv = torch.randn(9, 16, 2, 64).to(torch.bfloat16)
