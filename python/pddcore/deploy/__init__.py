@@ -6,8 +6,9 @@ One job per file:
   ownership checks, fault handling; ``prefill`` — P; ``relay_decode`` — RLD;
   ``main_decode`` — MD; ``client`` — the trace-playing client driver.
 * ``decoding`` (the decode loop RLD and MD share), ``node`` (front connection, model,
-  engine, prefix-cache helpers), ``wire`` (engine-lane messages), ``staging`` (ranges
-  of the receivers' staging regions), ``launch`` (process entry point).
+  engine; the prefix cache is :mod:`pddcore.model.prefix_cache`), ``wire`` (engine-lane
+  messages), ``staging`` (ranges of the receivers' staging regions), ``launch`` (process
+  entry point).
 * ``network`` (kernel WAN emulator or userspace relay), ``cluster`` (starts, watches and
   ends one deployment), ``trace`` (the agentic scenario), ``reference`` (the
   single-process oracle), ``report`` (metrics, table, plot), ``demo`` and ``cli``.

@@ -27,7 +27,8 @@ from ..transfer import Message, Peer, TransferError
 from . import wire
 from .decoding import DecodeLoop, DecodeRole, Running, land_kv
 from .kv_arrivals import KvArrivals
-from .node import Node, cache_sequence, cached_prefix, with_room
+from ..model.prefix_cache import cache_sequence, cached_prefix, with_room
+from .node import Node
 
 __all__ = ["serve"]
 

@@ -72,35 +72,3 @@ class Node:
 
     def close(self) -> None:
         self.engine.close()
-
-
-def with_room(pool, cache, fn):
-    """Runs ``fn``; while the KV pool is full, evicts least-recently-used pages of the
-    prefix ``cache`` (dropping the cache's page references) and tries again."""
-    from ..model import PoolExhaustedError
-
-    while True:
-        try:
-            return fn()
-        except PoolExhaustedError:
-            freed = cache.evict(max(64, pool.num_pages // 8))
-            if not freed:
-                raise
-            pool.allocator.free(freed)
-
-
-def cache_sequence(pool, cache, tokens, seq) -> None:
-    """Records the whole pages of ``seq`` (holding ``tokens``) in the prefix ``cache``; the
-    cache takes its own reference on the pages it did not hold yet."""
-    full = min(len(tokens), seq.num_tokens) // pool.page_size
-    result = cache.insert(list(tokens[:full * pool.page_size]), seq.pages[:full])
-    pool.allocator.retain(seq.pages[result.prefix_len // pool.page_size:full])
-
-
-def cached_prefix(pool, cache, tokens):
-    """A new sequence on the longest cached whole-page prefix of ``tokens``, and its length."""
-    from ..model import SequenceKV
-
-    hit = cache.match_prefix(list(tokens))
-    pool.allocator.retain(hit.pages)
-    return SequenceKV(pool, list(hit.pages), hit.matched_len), hit.matched_len

@@ -33,7 +33,8 @@ from ..radix import RadixCache
 from ..streaming import LayerStreamSender
 from ..transfer import Peer, RegionDescriptor, Transfer, TransferError
 from . import wire
-from .node import Node, cache_sequence, cached_prefix, with_room
+from ..model.prefix_cache import cache_sequence, cached_prefix, with_room
+from .node import Node
 from .staging import RangeAllocator
 
 __all__ = ["serve"]

@@ -17,12 +17,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..deploy.node import cache_sequence, cached_prefix, with_room
 from ..model import Model, PoolExhaustedError, SamplerState, SamplingParams, SequenceKV, sample
+from ..model.prefix_cache import cache_sequence, cached_prefix, with_room
 from ..radix import RadixCache
 from ..transfer import TransferEngine
 from .kv_link import KvConsumer, KvLinkError, KvProducer, PendingPull, parse_message
