@@ -170,12 +170,14 @@ def test_decode_step_runs_without_sync_and_replays_in_a_cuda_graph():
     want = cpu_step(*inputs)
     static = [t.to(cuda) for t in inputs]
 
+    gpu_step(*static)  # warm-up: Triton compiles its kernels here
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in a run raises
     try:
-        gpu_step(*static)  # warm-up: Triton compiles here
-        torch.cuda.synchronize()
+        gpu_step(*static)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gpu_step(*static)
