@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pddcore import _C
-from pddcore.benchmarks import crc_cases, extend_cases, handoff_cases, loss_cases, radix_cases, stream_cases
+from pddcore.benchmarks import cli as bench_cli
+from pddcore.benchmarks import crc_cases, demo_cases, extend_cases, handoff_cases, loss_cases, radix_cases, stream_cases
 from pddcore.benchmarks.plots import write_plots
 from pddcore.benchmarks.results import Result
 from pddcore.cli import main
@@ -199,3 +200,15 @@ def test_a_result_is_its_fields_then_each_derived_figure_with_nested_results_exp
     assert extend_cases.ExtendResult(prefix=100, new_tokens=4, decode_steps_s=0.8, extend_s=0.2).as_dict() == {
         "prefix": 100, "new_tokens": 4, "decode_steps_s": 0.8, "extend_s": 0.2, "speedup": 4.0,
         "extend_ms_per_token": 50.0}
+
+
+def test_demo_case_rows_put_pdd_beside_cross_dc_pd(monkeypatch):
+    ttft = {"pd": {"p50": 0.2, "p90": 0.6, "p99": 1.5}, "pdd": {"p50": 0.1, "p90": 0.5, "p99": 1.8}}
+    measured = demo_cases.DemoResult(24, "100 Mbit/s", ttft, {"pd": True, "pdd": False})
+    monkeypatch.setattr(demo_cases, "demo_case", lambda quick: measured)
+    out = bench_cli.RUNNERS["demo"](True, "tcp")
+    assert [(r.what, r.value, r.baseline, r.unit) for r in out.rows] == [
+        ("PDD TTFT p50", 100.0, 200.0, "ms"), ("PDD TTFT p90", 500.0, 600.0, "ms"),
+        ("PDD TTFT p99", 1800.0, 1500.0, "ms")]
+    assert out.data["ttft_s"] == ttft and out.data["outputs_exact"] == {"pd": True, "pdd": False}
+    assert "p90           600 ms    500 ms     0.83x" in out.text and "PDD: DIFFER" in out.text

@@ -25,6 +25,8 @@ Cases (``--cases``, comma-separated; default all):
   FP8 error and greedy-token agreement on FP8 KV; as root, each codec end to end (encode,
   wire, decode into MD's pool) on the emulated WAN at 200 Mbit/s and 1 Gbit/s, 50 ms RTT,
   against ``none``.
+- ``demo``: TTFT p50 / p90 / p99 of PDD against cross-DC PD on ``pddcore demo``'s
+  deployment, scenario and link.
 
 Example::
 
@@ -38,17 +40,17 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from . import (codec_cases, codec_wan, crc_cases, extend_cases, handoff_cases, loss_cases, pack_cases, peer_cases,
-               radix_cases, rdma_cases, stream_cases, tls_cases, transfer_cases)
+from . import (codec_cases, codec_wan, crc_cases, demo_cases, extend_cases, handoff_cases, loss_cases, pack_cases,
+               peer_cases, radix_cases, rdma_cases, stream_cases, tls_cases, transfer_cases)
 from .plots import write_plots
-from .results import Result
+from .results import Result, machine_info
 
-CASES = ("pack", "transfer", "tls", "wan", "loss", "peers", "wan10g", "stream", "handoff", "extend", "radix", "codec")
+CASES = ("pack", "transfer", "tls", "wan", "loss", "peers", "wan10g", "stream", "handoff", "extend", "radix", "codec",
+         "demo")
 
 
 @dataclass
@@ -285,6 +287,13 @@ def case_radix(quick: bool, backend: str) -> CaseOutput:
     return CaseOutput({"points": [r.as_dict() for r in results]}, "\n".join(r.table() for r in results), rows)
 
 
+def case_demo(quick: bool, backend: str) -> CaseOutput:
+    r = demo_cases.demo_case(quick)
+    rows = [Row("demo", f"PDD TTFT {p}", 1e3 * r.ttft_s["pdd"][p], "cross-DC PD", 1e3 * r.ttft_s["pd"][p], "ms")
+            for p in demo_cases.PERCENTILES]
+    return CaseOutput(r.as_dict(), demo_cases.format_result(r), rows)
+
+
 def case_tls(quick: bool, backend: str) -> CaseOutput:
     if backend != "tcp":
         raise Skipped("TLS is on the tcp backend's connections")
@@ -360,34 +369,12 @@ def codec_wan_rows(wans: list[codec_wan.WanResult]) -> list[Row]:
 
 RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {
     "pack": case_pack, "transfer": case_transfer, "tls": case_tls, "wan": case_wan, "loss": case_loss,
-    "peers": case_peers, "wan10g": case_wan10g, "stream": case_stream, "handoff": case_handoff, "extend": case_extend, "radix": case_radix, "codec": case_codec,
+    "peers": case_peers, "wan10g": case_wan10g, "stream": case_stream, "handoff": case_handoff,
+    "extend": case_extend, "radix": case_radix, "codec": case_codec, "demo": case_demo,
 }
 
 
 # ---- output -------------------------------------------------------------------------------
-
-
-def machine_info() -> dict:
-    """pddcore.info.collect() plus the CPU model and the kernel."""
-    from ..info import collect
-
-    facts = collect()
-    facts["cpu_model"] = _cpu_model()
-    facts["platform"] = platform.platform()
-    facts["usable_cpus"] = len(os.sched_getaffinity(0))
-    facts["loadavg"] = os.getloadavg()  # others' load on a shared machine shows up in the tails
-    return facts
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def format_rows(rows: list[Row]) -> str:

@@ -1,4 +1,5 @@
-"""How a benchmark result becomes an entry of ``results.json``, in one place.
+"""How a benchmark result becomes an entry of ``results.json``, in one place, and the
+facts about the machine that ``results.json`` records beside the results.
 
 A result is a dataclass of what was measured; every figure derived from those (a ratio to
 the baseline, a rate, a median) is a property of it. :class:`Result` gives such a class
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import platform
 from typing import Any
 
-__all__ = ["Result"]
+__all__ = ["Result", "machine_info"]
 
 
 class Result:
@@ -56,3 +59,26 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def machine_info() -> dict:
+    """pddcore.info.collect() plus the CPU model and the kernel."""
+    from ..info import collect
+
+    facts = collect()
+    facts["cpu_model"] = _cpu_model()
+    facts["platform"] = platform.platform()
+    facts["usable_cpus"] = len(os.sched_getaffinity(0))
+    facts["loadavg"] = os.getloadavg()  # others' load on a shared machine shows up in the tails
+    return facts
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
