@@ -578,6 +578,28 @@ def test_decode_rejects_a_prefill_pool_of_another_shape():
         server.close()
 
 
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_unsupported_deployments_are_refused_at_start(mode):
+    """DP attention, pipeline parallelism and an EAGLE draft pool appended to kv_data_ptrs (as
+    SGLang's queues append it) are refused when the manager is built, with what to use instead;
+    nothing listens or registers."""
+    rank = Rank(mla=False, heads=2, total_heads=2, rank=0)
+    draft = Rank(mla=False, heads=2, total_heads=2, rank=0)
+    with_draft = conn.KVArgs()
+    for name, value in vars(rank.args).items():
+        setattr(with_draft, name, value)
+    ptrs, lens, items = draft.pool.get_contiguous_buf_infos()
+    with_draft.kv_data_ptrs, with_draft.kv_data_lens = rank.args.kv_data_ptrs + ptrs, rank.args.kv_data_lens + lens
+    with_draft.kv_item_lens, with_draft.num_draft_entries = rank.args.kv_item_lens + items, len(ptrs)
+    port = _free_port()
+    cases = [(rank.args, _server_args(port, 2, enable_dp_attention=True, dp_size=2), "DP attention"),
+             (rank.args, _server_args(port, pp_size=2), "pipeline parallelism"),
+             (with_draft, _server_args(port), "draft KV pool")]
+    for args, server_args, what in cases:
+        with pytest.raises(ValueError, match=f"does not support .*{what}.*mooncake or nixl"):
+            pdd.PDDKVManager(args, mode, server_args)
+
+
 def test_sender_refuses_calls_out_of_order(pair):
     sender = pdd.PDDKVSender(pair.prefill, pair.addr, 9)
     with pytest.raises(RuntimeError, match="before the decode side registered"):

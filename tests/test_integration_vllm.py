@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -717,6 +718,29 @@ def test_rdma_backend_moves_blocks(model_dir):
     finally:
         p.conn.shutdown()
         d.conn.shutdown()
+
+
+def test_data_parallel_ranks_of_one_host_take_their_own_ports(model_dir):
+    """TP 2 x DP 2 on one host with one base port: every worker listens (no collision), on
+    port + dp_rank * tp_size + tp_rank, and the scheduler publishes its DP rank's first port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]  # free now; the four ports after it are taken by nobody else here
+    workers = []
+    try:
+        for dp in range(2):
+            for rank in range(2):
+                config = make_config(model_dir, "kv_producer", {"tp_rank": rank, "port": base})
+                config.parallel_config.tensor_parallel_size, config.parallel_config.data_parallel_rank_local = 2, dp
+                workers.append(PDDConnector(config, KVConnectorRole.WORKER, make_kv_cache_config(config, attention_spec())))
+        assert [int(w.address.rpartition(":")[2]) for w in workers] == [base, base + 1, base + 2, base + 3]
+        config = make_config(model_dir, "kv_producer", {"port": base})
+        config.parallel_config.tensor_parallel_size, config.parallel_config.data_parallel_rank_local = 2, 1
+        assert PDDConnector(config, KVConnectorRole.SCHEDULER, make_kv_cache_config(
+            config, attention_spec()))._producer_address() == ("127.0.0.1", base + 2)
+    finally:
+        for w in workers:
+            w.shutdown()
 
 
 def test_wildcard_host_is_advertised_as_the_routable_address(model_dir, monkeypatch):

@@ -18,7 +18,7 @@ import torch
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.utils.network import get_local_ip_auto
 
-__all__ = ["HOST_ENV", "kv_device", "advertised_host", "mode_name"]
+__all__ = ["HOST_ENV", "kv_device", "advertised_host", "mode_name", "check_supported"]
 
 HOST_ENV = "PDDCORE_SGLANG_HOST"
 
@@ -49,3 +49,19 @@ def mode_name(mode: Any) -> str:
         raise ValueError(f"disaggregation_mode must be prefill or decode, got {mode!r}")
     return name
 
+
+def check_supported(kv_args: KVArgs, server_args: Any) -> None:
+    """Raises ValueError, at start, for a deployment this backend would serve wrongly: DP
+    attention (each attention-DP group pulls from its own prefill group, which the bootstrap
+    table does not record), pipeline parallelism (each PP stage holds only its layers), and an
+    EAGLE draft pool appended to ``kv_data_ptrs`` (its planes would be taken for V planes)."""
+    problems = []
+    if getattr(server_args, "enable_dp_attention", False) and int(getattr(server_args, "dp_size", 1)) > 1:
+        problems.append(f"DP attention (--enable-dp-attention, --dp-size {server_args.dp_size})")
+    if int(getattr(server_args, "pp_size", 1)) > 1:
+        problems.append(f"pipeline parallelism (--pp-size {server_args.pp_size})")
+    if int(getattr(kv_args, "num_draft_entries", 0) or 0) > 0:
+        problems.append(f"a speculative-decoding draft KV pool ({kv_args.num_draft_entries} draft planes, e.g. EAGLE)")
+    if problems:
+        raise ValueError(f"the pddcore SGLang backend does not support {' or '.join(problems)}; serve this "
+                         "deployment with SGLang's mooncake or nixl backend")

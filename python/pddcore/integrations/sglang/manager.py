@@ -26,7 +26,7 @@ from .._messages import MalformedMessage
 from .._peers import Peers
 from .._staging import StagingPool
 from .bootstrap import PrefillInfo, bootstrap_url, fetch_prefill_info, register_prefill_rank
-from .config import advertised_host, kv_device, mode_name
+from .config import advertised_host, check_supported, kv_device, mode_name
 from .protocol import MESSAGES, Registration
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class PDDKVManager(BaseKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any,
                  is_mla_backend: Optional[bool] = False):
+        check_supported(args, server_args)
         self.kv_args = args
         self.mode = mode_name(disaggregation_mode)
         self.server_args = server_args

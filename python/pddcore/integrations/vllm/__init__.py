@@ -8,7 +8,11 @@ messages of :mod:`.protocol`.
 Load it the standard way::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "PDDConnector",
-        "kv_connector_module_path": "pddcore.integrations.vllm", "kv_role": "kv_producer"}'
+        "kv_connector_module_path": "pddcore.integrations.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"auth_token": "SHARED-SECRET"}}'
+
+(the same ``auth_token`` on every producer and consumer: an engine listening beyond
+loopback refuses to start without one).
 
 It speaks the ``kv_transfer_params`` of vLLM's own disaggregation connectors
 (``do_remote_prefill``, ``do_remote_decode``, ``remote_block_ids``, ``remote_engine_id``,
@@ -65,8 +69,8 @@ GPU, registered once and reused.
 ``kv_connector_extra_config`` keys: ``host`` (listen address; default: this host's IP as
 vLLM's ``get_ip()`` finds it, which honours ``VLLM_HOST_IP``), ``advertise_host`` (the
 address peers connect to, when it differs from ``host``; ``0.0.0.0`` is never
-advertised), ``port`` (base port; rank r listens on port + r; default: any free port,
-published through the handshake metadata), ``lease_s`` (producer keeps unsent KV, and a
+advertised), ``port`` (base port; TP rank r of data-parallel rank d, d counted on this host, listens on
+port + d * tp_size + r; default: any free port, published through the handshake metadata), ``lease_s`` (producer keeps unsent KV, and a
 consumer an unclaimed push buffer, this long; default 60), ``load_timeout_s`` (consumer
 gives up, default 60), ``auth_token`` (the same on every producer and consumer; required
 unless ``host`` is a loopback address or ``insecure`` is true: without it anybody who

@@ -35,8 +35,8 @@ class PDDConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self.engine_id = self._kv_transfer_config.engine_id
         self.attention_spec = attention_spec(kv_cache_config)
         self.listen_host, self.host = advertised_host(extra)
-        self.base_port = extra.get("port")
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.base_port = None if extra.get("port") is None else int(extra["port"]) + self._dp_port_offset(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         self.lease_s = float(extra.get("lease_s", 60.0))
         self.load_timeout_s = float(extra.get("load_timeout_s", 60.0))
@@ -44,6 +44,13 @@ class PDDConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
             self._init_scheduler()
         else:
             self._init_worker(extra)
+
+    def _dp_port_offset(self, vllm_config: "VllmConfig") -> int:
+        """Data-parallel rank ``d`` (its index on this host) takes ports ``port + d * tp_size + r``,
+        so the DP ranks of one host do not collide."""
+        parallel = vllm_config.parallel_config
+        local = parallel.data_parallel_rank_local
+        return (parallel.data_parallel_rank if local is None else local) * self.tp_size
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
