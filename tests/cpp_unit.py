@@ -1,8 +1,14 @@
 """Builds and runs the C++ unit tests under tests/cpp: one binary per test file, one case
-per run (`binary <case>`; with no argument the binary lists its cases)."""
+per run (`binary <case>`; with no argument the binary lists its cases). Each case's test id
+starts with ``cpp-``, so one command runs them all, and ``PDDCORE_SANITIZE=1`` builds them
+with AddressSanitizer and UndefinedBehaviorSanitizer (any report fails the case)::
+
+    PDDCORE_SANITIZE=1 python -m pytest tests -k cpp-
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,6 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SANITIZE = (["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+            if os.environ.get("PDDCORE_SANITIZE") == "1" else [])
 
 
 def build(out_dir: Path, name: str, sources: list[str], libs: tuple[str, ...] = ()) -> Path:
@@ -18,8 +26,8 @@ def build(out_dir: Path, name: str, sources: list[str], libs: tuple[str, ...] = 
     if compiler is None:
         pytest.skip("no C++ compiler to build the C++ unit tests")
     out = out_dir / name
-    subprocess.run([compiler, "-std=c++17", "-O1", "-Icsrc/include", "-Icsrc", "-Itests/cpp", *sources, "-o", str(out),
-                    "-pthread", *libs], cwd=ROOT, check=True)
+    subprocess.run([compiler, "-std=c++17", "-O1", *SANITIZE, "-Icsrc/include", "-Icsrc", "-Itests/cpp", *sources, "-o",
+                    str(out), "-pthread", *libs], cwd=ROOT, check=True)
     return out
 
 
@@ -42,7 +50,7 @@ def case_test(name: str, sources: list[str], case_names: list[str], libs: tuple[
     ``sources`` (once per session), after checking the binary has exactly ``case_names``, so
     every C++ case runs. Assign it to a ``test_...`` name in a test module."""
 
-    @pytest.mark.parametrize("case", case_names)
+    @pytest.mark.parametrize("case", case_names, ids=[f"cpp-{case}" for case in case_names])
     def test(case, tmp_path_factory):
         if name not in _BUILT:
             binary = build(tmp_path_factory.mktemp(name), name, sources, libs)
