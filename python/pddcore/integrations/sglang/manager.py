@@ -167,6 +167,11 @@ class PDDKVManager(BaseKVManager):
         with self._lock:
             return self._rooms.setdefault(room, RoomInbox())
 
+    def add_receiver(self, room: int, receiver: "PDDKVReceiver") -> None:
+        """Routes ``room``'s chunk notices to ``receiver`` and wakes it on every message."""
+        with self._lock:
+            self._receivers[room] = receiver
+
     def drop_room(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(room, None)
@@ -206,7 +211,7 @@ class PDDKVManager(BaseKVManager):
         else:  # "chunk": MESSAGES admits no other kind
             with self._lock:
                 receiver = self._receivers.get(room)
-            source = receiver._addresses.get(msg["src"]) if receiver is not None else None
+            source = receiver.prefill_address(msg["src"]) if receiver is not None else None
             if source is None or not self.peers.is_from(message, source):
                 log.warning("pddcore: ignored a chunk notice for room %s from %s: not prefill rank %s of that room",
                             room, sender_address, msg["src"])
@@ -225,7 +230,7 @@ class PDDKVManager(BaseKVManager):
         with self._lock:
             receiver = self._receivers.get(room)
         if receiver is not None:
-            receiver._on_message()
+            receiver.on_inbox_changed()
 
     def close(self) -> None:
         self._stop.set()

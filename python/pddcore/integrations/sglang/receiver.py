@@ -55,8 +55,7 @@ class PDDKVReceiver(BaseKVReceiver):
         self._aux_index: int | None = None
         self._pages: torch.Tensor | None = None
         self._done_lock = threading.Lock()
-        with mgr._lock:
-            mgr._receivers[self.room] = self
+        mgr.add_receiver(self.room, self)
         self._try_bootstrap()
 
     # -- what SGLang's decode queues read --------------------------------------------------------
@@ -153,10 +152,15 @@ class PDDKVReceiver(BaseKVReceiver):
                              aux_offset=self._aux_offset if i == 0 else -1,
                              aux_index=-1 if aux_index is None else int(aux_index),
                              decode_prefix_len=int(decode_prefix_len or 0))
-        self._on_message()
+        self.on_inbox_changed()
 
-    def _on_message(self) -> None:
-        """Called by the manager's thread: completes the request once every chunk landed."""
+    def prefill_address(self, src_rank: int) -> str | None:
+        """The engine address of prefill rank ``src_rank`` of this request's prefill, once known."""
+        return self._addresses.get(src_rank)
+
+    def on_inbox_changed(self) -> None:
+        """The manager's message thread calls this after filing a message for this room:
+        completes the request once every chunk landed, or fails it on a failure notice."""
         with self._done_lock:
             if self._state in TERMINAL:
                 return
