@@ -437,6 +437,10 @@ def test_client_refuses_a_challenge_whose_flag_byte_is_not_0_or_1():
     assert len(fake.received) == _HELLO.size  # no proof went to it
 
 
+test_fence_table = cpp_unit.case_test(
+    "fence_table_test", ["tests/cpp/fence_table_test.cpp", "csrc/transport/fence_table.cpp"],
+    ["quiet_transfer_is_confirmed", "chunk_in_flight_past_the_timeout_is_not_confirmed",
+     "install_waits_for_the_chunk_to_end", "close_ends_the_wait_unconfirmed"])
 test_transfer_tags = cpp_unit.case_test("transfer_tags_test", ["tests/cpp/transfer_tags_test.cpp"],
                                         ["distinct_tags", "neighbours_look_random", "keys_decide_every_tag"])
 
