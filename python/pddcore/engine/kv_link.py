@@ -8,11 +8,13 @@ gets those params pulls only the pages its own prefix cache lacks: it registers 
 buffer, asks the producer over the priority lane (``EPUL``), and the producer packs the
 pages (:func:`pddcore.pack`) and writes them with a notification (``EKVD``), which arrives
 only once every byte was verified and applied. A refused pull is answered ``EERR``.
+``{"do_remote_decode": true, "pdd_consumers": N}`` keeps the KV for N pulls (RLD's and MD's,
+in PDD), as pddcore's vLLM connector does.
 
 Who may do what: a pull names the target region and the address to write to; the producer
 writes only to the engine that asked (the message's sender id must be the id of the engine
 at that address), and the consumer believes a completion only as the write notification of
-the producer it asked. A lease serves one pull and ends then, or after ``lease_s``.
+the producer it asked. A lease ends after its pulls, or after ``lease_s``.
 
 Everything here runs on the engine's model thread, which owns the KV pool.
 """
@@ -76,6 +78,7 @@ class _Lease:
     pages: list[int]
     num_tokens: int
     expires: float
+    pulls_left: int
 
 
 @dataclass
@@ -96,12 +99,12 @@ class KvProducer:
         self.pulls_served = 0
         self.bytes_sent = 0
 
-    def lease(self, rid: str, pages: list[int], num_tokens: int) -> dict:
-        """Holds ``pages`` (the first ``num_tokens`` tokens of ``rid``) for one pull; returns
-        the ``kv_transfer_params`` a decode engine needs to pull them."""
+    def lease(self, rid: str, pages: list[int], num_tokens: int, pulls: int = 1) -> dict:
+        """Holds ``pages`` (the first ``num_tokens`` tokens of ``rid``) for ``pulls`` pulls;
+        returns the ``kv_transfer_params`` a decode engine needs to pull them."""
         self.pool.allocator.retain(pages)
         self._drop(rid)
-        self.leases[rid] = _Lease(list(pages), num_tokens, time.monotonic() + self.lease_s)
+        self.leases[rid] = _Lease(list(pages), num_tokens, time.monotonic() + self.lease_s, pulls)
         host, _, port = self.engine.address.rpartition(":")
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                 "remote_host": host, "remote_port": int(port), "remote_request_id": rid,
@@ -143,7 +146,9 @@ class KvProducer:
             self.engine.send(peer, _encode(FAIL, {"pull_id": body.get("pull_id"), "error": str(e)}))
             return
         self.sends.append(_Send(transfer, region, rid))
-        self._drop(rid)  # the pages are packed: the lease has served its pull
+        lease.pulls_left -= 1
+        if lease.pulls_left == 0:
+            self._drop(rid)  # the pages are packed: the lease has served its pulls
         self.pulls_served += 1
         self.bytes_sent += buf.numel()
 

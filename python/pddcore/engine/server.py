@@ -73,13 +73,15 @@ class EngineServer:
         if not token_ids or bad:
             raise BadRequest(f"token ids must be in [0, {vocab}) and at least one; got {bad[:4]}" if bad
                              else "no token ids")
-        remote_prefill, remote_decode = None, False
+        remote_prefill, remote_decode, consumers = None, False, 1
         if kv:
             if kv.get("do_remote_decode"):
                 if self.role != "prefill":
                     raise BadRequest("do_remote_decode asks to keep the KV for a decode engine: send it to a "
                                      "prefill engine")
-                remote_decode = True
+                remote_decode, consumers = True, kv.get("pdd_consumers", 1)
+                if isinstance(consumers, bool) or not isinstance(consumers, int) or not 1 <= consumers <= 16:
+                    raise BadRequest(f"pdd_consumers must be an integer in [1, 16], got {consumers!r}")
             elif kv.get("do_remote_prefill"):
                 if self.role != "decode":
                     raise BadRequest("do_remote_prefill asks to pull the KV from a prefill engine: send it to a "
@@ -100,7 +102,7 @@ class EngineServer:
             seed=secrets.randbits(63) if seed is None else int(seed), emit=emit,
             ignore_eos=bool(sampling.get("ignore_eos", False)),
             stop_token_ids=frozenset(int(t) for t in sampling.get("stop_token_ids") or ()),
-            remote_prefill=remote_prefill, remote_decode=remote_decode)
+            remote_prefill=remote_prefill, remote_decode=remote_decode, consumers=consumers)
 
     async def _run(self, rid: str, token_ids: list[int], sampling: dict, kv: dict | None) -> AsyncIterator[tuple]:
         """The request's events: ``("tokens", ids)``..., then ``("finish", reason, kv_params,

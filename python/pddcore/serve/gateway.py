@@ -7,10 +7,10 @@ HTTP API (:mod:`.upstream`):
 * ``P_MD`` — P prefills with ``{"do_remote_decode": true}``; MD decodes with the params P
   returned, pulling across the WAN only the pages its prefix cache lacks.
 * ``RLD_ONLY`` — the same with RLD as the decoder; nothing crosses the WAN.
-* ``P_RLD_MD`` — P prefills for RLD, which pulls inside the datacenter and streams to the
-  client at once; meanwhile P prefills again (a prefix-cache hit there) for MD's
-  *prefetch*: a one-token request that pulls the pages MD lacks and leaves them in MD's
-  prefix cache. Once MD holds the prompt, :class:`pddcore.handoff.HandoffPolicy` decides
+* ``P_RLD_MD`` — P prefills once with ``"pdd_consumers": 2`` (it keeps the KV for two
+  pulls); RLD pulls inside the datacenter and streams to the client at once, while MD's
+  *prefetch* — a one-token request with the same params — pulls the pages MD lacks across
+  the WAN and leaves them in MD's prefix cache. Once MD holds the prompt, :class:`pddcore.handoff.HandoffPolicy` decides
   at every RLD token: **one-shot** (stop RLD at that token boundary; MD continues with the
   context plus every token the client has, recomputing the handed-off tokens in one
   extend pass — its prefix-cache hit plus a prefill of the rest), or **catch-up** (MD runs
@@ -204,14 +204,14 @@ class _Run:
     def _continuation(self) -> tuple[list[int], dict]:
         return self.prompt + self.delivered, {**self.sampling, "max_tokens": self.max_tokens - len(self.delivered)}
 
-    async def _prefill(self, context: list[int]) -> dict:
-        """P prefills ``context`` and keeps its KV for one pull; returns the pull's params."""
+    async def _prefill(self, context: list[int], consumers: int = 1) -> dict:
+        """P prefills ``context`` and keeps its KV for ``consumers`` pulls; returns the pulls' params."""
         tried: list[Upstream] = []
         while (p := least_loaded(self.gw.prefill, tried)) is not None:
             tried.append(p)
             try:
                 answer = await p.generate(self._leg_id("p"), context, {**self.sampling, "max_tokens": 1},
-                                          {"do_remote_decode": True})
+                                          {"do_remote_decode": True, "pdd_consumers": consumers})
             except UpstreamError as e:
                 self.gw.metrics.upstream_errors.labels(role="prefill").inc()
                 log.warning("%s: %s", self.rid, e)
@@ -286,15 +286,15 @@ class _Run:
             self.gw.estimator.observe(self.md.url, nbytes, bulk_s)
         self.gw.index.record(self.md, self.prompt)
 
-    async def _prefetch(self) -> bool:
-        """P prefills for MD, MD pulls what it lacks and keeps it; True once MD holds the prompt."""
+    async def _prefetch(self, kv: dict) -> bool:
+        """MD pulls what it lacks of P's KV (``kv``: P's params) and keeps it; True once MD
+        holds the prompt."""
+        started = time.monotonic()
         try:
-            kv = await self._prefill(self.prompt)
-            started = time.monotonic()
             await asyncio.wait_for(self.md.generate(self._leg_id("md-prefetch"), self.prompt,
                                                     {**self.sampling, "max_tokens": 1}, kv),
                                    self.gw.config.prefetch_timeout_s)
-        except (UpstreamError, GatewayError, asyncio.TimeoutError) as e:
+        except (UpstreamError, asyncio.TimeoutError) as e:
             log.warning("%s: MD prefetch failed, the request stays on RLD: %s", self.rid, e)
             self.gw.metrics.upstream_errors.labels(role="main").inc()
             return False
@@ -312,8 +312,8 @@ class _Run:
     async def _p_rld_md(self) -> AsyncIterator[list[int]]:
         gw, policy = self.gw, self.gw.config.policy
         rld = least_loaded(gw.relay)
-        kv = await self._prefill(self.prompt)
-        prefetch = asyncio.ensure_future(self._prefetch())
+        kv = await self._prefill(self.prompt, consumers=2)  # one prefill, pulled by RLD and by MD
+        prefetch = asyncio.ensure_future(self._prefetch(kv))
         extend: asyncio.Task | None = None
         final: HandoffMode | None = None
         try:
