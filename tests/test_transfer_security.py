@@ -485,12 +485,12 @@ def test_fence_is_not_confirmed_while_a_chunk_of_it_is_still_being_written():
 
 def test_cancel_waits_out_a_slow_chunk_when_the_receiver_times_out_first():
     """Real engines through a throttled path: one 256 KiB chunk takes about 2 s, and the
-    receiver's timeout_s (0.5 s) is shorter than the sender's (30 s). The receiver answers
+    receiver's timeout_s (1 s) is shorter than the sender's (30 s). The receiver answers
     busy until the chunk is written, so cancel() returns only once no byte can land: the
     destination, zeroed right after, stays zero. A later write on the same stream (so behind
     everything the cancelled transfer sent) shows nothing more arrived."""
     chunk = 256 << 10
-    with TransferEngine(auth_token=TOKEN, timeout_s=0.5) as receiver, \
+    with TransferEngine(auth_token=TOKEN, timeout_s=1.0) as receiver, \
             TransferEngine(auth_token=TOKEN, streams=1, chunk_bytes=chunk, timeout_s=30) as sender:
         proxy = ThrottledProxy(receiver.address, rate=128 << 10)
         try:
@@ -516,9 +516,9 @@ def test_an_unconfirmed_cancel_keeps_the_destination_quarantined():
     peer into the cancelled transfer's destination are refused (elsewhere they go on) until a
     retried cancel() is confirmed, which it is once the chunk has landed."""
     chunk = 256 << 10
-    with TransferEngine(auth_token=TOKEN, timeout_s=0.3) as receiver, \
-            TransferEngine(auth_token=TOKEN, streams=1, chunk_bytes=chunk, timeout_s=1.0) as sender:
-        proxy = ThrottledProxy(receiver.address, rate=64 << 10)
+    with TransferEngine(auth_token=TOKEN, timeout_s=1.0) as receiver, \
+            TransferEngine(auth_token=TOKEN, streams=1, chunk_bytes=chunk, timeout_s=2.0) as sender:
+        proxy = ThrottledProxy(receiver.address, rate=32 << 10)  # the chunk takes 8 s
         try:
             dst = torch.zeros(2 * chunk, dtype=torch.uint8)
             region = receiver.register(dst, target=True)
@@ -542,13 +542,13 @@ def test_an_unconfirmed_cancel_keeps_the_destination_quarantined():
 
 def test_unregister_that_times_out_leaves_the_region_registered_and_a_retry_works():
     """A chunk is still being written into the receiver's region when unregister() gives up
-    (timeout_s 0.5 s, the chunk takes seconds): it raises, and the region stays registered
+    (timeout_s 1 s, the chunk takes 8 s): it raises, and the region stays registered
     (listed, its memory kept) though no new chunk reaches it; retried while the chunk goes
     on it raises the same way, and once the chunk is done a retry unregisters it."""
     chunk = 256 << 10
-    with TransferEngine(auth_token=TOKEN, timeout_s=0.5) as receiver, \
+    with TransferEngine(auth_token=TOKEN, timeout_s=1.0) as receiver, \
             TransferEngine(auth_token=TOKEN, streams=1, chunk_bytes=chunk, timeout_s=30) as sender:
-        proxy = ThrottledProxy(receiver.address, rate=64 << 10)
+        proxy = ThrottledProxy(receiver.address, rate=32 << 10)
         try:
             dst = torch.zeros(chunk, dtype=torch.uint8)
             region = receiver.register(dst, target=True)
