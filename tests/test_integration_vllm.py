@@ -232,13 +232,13 @@ class Worker:
 
 def make_worker(model_dir: Path, role: str, tp_rank: int = 0, tp: int = 1, heads: int = HEADS, *,
                 layout: str = "LBNHC", kernel_block: int | None = None, mla: bool = False, seed: int = 0,
-                extra: dict | None = None, engine_id: str | None = None) -> Worker:
+                extra: dict | None = None, engine_id: str | None = None, device: str = "cpu") -> Worker:
     config = make_config(model_dir, role, {"tp_rank": tp_rank, "load_timeout_s": 30, **(extra or {})},
                          engine_id=engine_id)
     config.parallel_config.tensor_parallel_size = tp
     spec = attention_spec(heads, mla)
     kv_cache_config = make_kv_cache_config(config, spec, layout)
-    kv = allocate_kv_cache(kv_cache_config, torch.device("cpu"), config.cache_config.get_resolved_kv_cache_layout(),
+    kv = allocate_kv_cache(kv_cache_config, torch.device(device), config.cache_config.get_resolved_kv_cache_layout(),
                            None if kernel_block is None else [kernel_block])
     gen = torch.Generator().manual_seed(seed)
     for t in kv.values():
@@ -289,7 +289,7 @@ def drive(connectors, until, timeout=60.0):
 
 
 def as_bytes(tensors: list[torch.Tensor]) -> list[bytes]:
-    return [t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
+    return [t.contiguous().view(torch.uint8).cpu().numpy().tobytes() for t in tensors]
 
 
 def consumer_process(model_dir: str, jobs: list[dict], pipe) -> None:
@@ -1065,10 +1065,43 @@ def test_a_push_the_producer_drops_fails_the_load(model_dir):
 
 
 @pytest.mark.gpu
-def test_generation_end_to_end_on_gpu(tmp_path):
+def test_workers_move_cuda_blocks_on_a_second_stream(model_dir):
+    """KV caches on the GPU, every connector hook called with a second CUDA stream current (as a
+    model runner may): the packs, the waits before the engine reads a buffer, and the unpacks
+    all follow that stream, so the consumer's blocks equal the producer's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from pddcore import _C
+
+    if _C.cuda_unusable_reason():
+        pytest.skip(f"pddcore's CUDA kernels: {_C.cuda_unusable_reason()}")
+    pw = make_worker(model_dir, "kv_producer", seed=91, device="cuda")
+    cw = make_worker(model_dir, "kv_consumer", seed=92, device="cuda")
+    side = torch.cuda.Stream()
+    try:
+        torch.cuda.synchronize()  # the random fill ran on the default stream
+        p_blocks, d_blocks = [3, 8, 5], [10, 12, 14]
+        with torch.cuda.stream(side):
+            worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}), forward=True)
+            worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+            pull(cw, "d-req", dict(pushed_params(pw, "p-req", p_blocks), pdd_pushed=False), d_blocks)
+            results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
+        assert not results[1].failed_recving and not errors[1]
+        assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks))
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager, push", [(True, False), (False, False), (True, True)],
+                         ids=["eager-pull", "cudagraphs-pull", "eager-push"])
+def test_generation_end_to_end_on_gpu(tmp_path, enforce_eager, push):
     """Producer and consumer vLLM engines (dummy weights, same seed) hand a prompt's KV over through
     PDDConnector; the consumer's greedy tokens must equal a single engine's. kv_load_failure_policy
-    is "fail", so a transfer that did not happen fails the request instead of recomputing it."""
+    is "fail", so a transfer that did not happen fails the request instead of recomputing it.
+    enforce_eager=False captures vLLM's CUDA graphs (full ones included: the connector asks for
+    no piecewise mode); push names the consumer's worker (its fixed port) in pdd_push_to."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (and vllm's CUDA kernels): runs a producer and a consumer engine")
     try:
@@ -1078,17 +1111,22 @@ def test_generation_end_to_end_on_gpu(tmp_path):
     from vllm import LLM
 
     write_model_config(tmp_path)
-    common = dict(model=str(tmp_path), skip_tokenizer_init=True, load_format="dummy", seed=0, enforce_eager=True,
-                  max_model_len=512, gpu_memory_utilization=0.15)
-    transfer = dict(kv_connector="PDDConnector", kv_connector_module_path="pddcore.integrations.vllm",
-                    kv_connector_extra_config={"auth_token": "gpu-test-token-7c3a9e5d1b8f2046"})
+    common = dict(model=str(tmp_path), skip_tokenizer_init=True, load_format="dummy", seed=0,
+                  enforce_eager=enforce_eager, max_model_len=512, gpu_memory_utilization=0.15)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        consumer_port = sock.getsockname()[1]
+    extra = {"auth_token": "gpu-test-token-7c3a9e5d1b8f2046", "host": "127.0.0.1"}
+    transfer = dict(kv_connector="PDDConnector", kv_connector_module_path="pddcore.integrations.vllm")
     prompt = {"prompt_token_ids": list(range(3, 83))}
     baseline = LLM(**common).generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
-    producer = LLM(**common, kv_transfer_config={**transfer, "kv_role": "kv_producer"})
-    consumer = LLM(**common, kv_transfer_config={**transfer, "kv_role": "kv_consumer"})
+    producer = LLM(**common, kv_transfer_config={**transfer, "kv_role": "kv_producer", "kv_connector_extra_config": extra})
+    consumer = LLM(**common, kv_transfer_config={**transfer, "kv_role": "kv_consumer",
+                                                 "kv_connector_extra_config": {**extra, "port": consumer_port}})
+    params = {"do_remote_decode": True, **({"pdd_push_to": [f"127.0.0.1:{consumer_port}"]} if push else {})}
     first = producer.generate([prompt], SamplingParams(max_tokens=1, temperature=0,
-                                                       extra_args={"kv_transfer_params": {"do_remote_decode": True}}))[0]
-    assert first.kv_transfer_params["do_remote_prefill"]
+                                                       extra_args={"kv_transfer_params": params}))[0]
+    assert first.kv_transfer_params["do_remote_prefill"] and first.kv_transfer_params.get("pdd_pushed", False) == push
     out = consumer.generate([prompt], SamplingParams(max_tokens=16, temperature=0,
                                                      extra_args={"kv_transfer_params": first.kv_transfer_params}))[0]
     assert out.outputs[0].token_ids == baseline.outputs[0].token_ids
