@@ -25,6 +25,9 @@ Cases (``--cases``, comma-separated; default all):
   FP8 error and greedy-token agreement on FP8 KV; as root, each codec end to end (encode,
   wire, decode into MD's pool) on the emulated WAN at 200 Mbit/s and 1 Gbit/s, 50 ms RTT,
   against ``none``.
+- ``serve``: the same trace through ``pddcore serve`` over reference engine servers, MD across
+  the emulated WAN: TTFT p50 / p90 / p99 of PDD against cross-DC PD, the handoff gap against
+  the median TPOT, and the gateway's TPOT against streaming from the engine directly (root only).
 - ``demo``: TTFT p50 / p90 / p99 of PDD against cross-DC PD on ``pddcore demo``'s
   deployment, scenario and link.
 
@@ -45,12 +48,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import (codec_cases, codec_wan, crc_cases, demo_cases, extend_cases, handoff_cases, loss_cases, pack_cases,
-               peer_cases, radix_cases, rdma_cases, stream_cases, tls_cases, transfer_cases)
+               peer_cases, radix_cases, rdma_cases, serve_cases, stream_cases, tls_cases, transfer_cases)
 from .plots import write_plots
 from .results import Result, machine_info
 
 CASES = ("pack", "transfer", "tls", "wan", "loss", "peers", "wan10g", "stream", "handoff", "extend", "radix", "codec",
-         "demo")
+         "demo", "serve")
 
 
 @dataclass
@@ -287,6 +290,19 @@ def case_radix(quick: bool, backend: str) -> CaseOutput:
     return CaseOutput({"points": [r.as_dict() for r in results]}, "\n".join(r.table() for r in results), rows)
 
 
+def case_serve(quick: bool, backend: str) -> CaseOutput:
+    _need_wan()
+    r = _in_fresh_process(serve_cases.serve_case, requests=6 if quick else 12)
+    pd, pdd = r.modes["pd"], r.modes["pdd"]
+    rows = [Row("serve", f"PDD TTFT p{q} through the gateway", 1e3 * pdd["ttft_s"][q], "cross-DC PD",
+                1e3 * pd["ttft_s"][q], "ms") for q in (50, 90, 99)]
+    rows += [Row("serve", "handoff gap, median", 1e3 * pdd["handoff_gap_s"][50], "median TPOT (PDD)",
+                 1e3 * pdd["tpot_s"][50], "ms"),
+             Row("serve", "TPOT through the gateway", r.gateway_tpot_ms, "the engine streamed directly",
+                 r.direct_tpot_ms, "ms")]
+    return CaseOutput(r.as_dict(), serve_cases.format_table(r), rows)
+
+
 def case_demo(quick: bool, backend: str) -> CaseOutput:
     r = demo_cases.demo_case(quick)
     rows = [Row("demo", f"PDD TTFT {p}", 1e3 * r.ttft_s["pdd"][p], "cross-DC PD", 1e3 * r.ttft_s["pd"][p], "ms")
@@ -336,7 +352,7 @@ def case_codec(quick: bool, backend: str) -> CaseOutput:
                  Row("codec", f"{tag}: encode", p.encode_gbps, "memcpy", p.memcpy_gbps, "GB/s"),
                  Row("codec", f"{tag}: decode", p.decode_gbps, "memcpy", p.memcpy_gbps, "GB/s")]
     rows += [Row("codec", f"fp8, {e.kv}: max error / page amax", e.max_rel_amax, "E4M3 bound", e.bound_rel_amax, "")
-             for e in report.fp8]
+             for e in report.fp8_error]
     rows += [Row("codec", f"{g.arm} KV: identical greedy requests", g.identical, "requests", g.requests, "")
              for g in report.greedy]
     data, text = report.as_dict(), codec_cases.format_report(report)
@@ -370,7 +386,7 @@ def codec_wan_rows(wans: list[codec_wan.WanResult]) -> list[Row]:
 RUNNERS: dict[str, Callable[[bool, str], CaseOutput]] = {
     "pack": case_pack, "transfer": case_transfer, "tls": case_tls, "wan": case_wan, "loss": case_loss,
     "peers": case_peers, "wan10g": case_wan10g, "stream": case_stream, "handoff": case_handoff,
-    "extend": case_extend, "radix": case_radix, "codec": case_codec, "demo": case_demo,
+    "extend": case_extend, "radix": case_radix, "codec": case_codec, "demo": case_demo, "serve": case_serve,
 }
 
 
