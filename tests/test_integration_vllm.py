@@ -613,6 +613,14 @@ def test_register_kv_caches_rejects_shapes_vllm_does_not_allocate(model_dir):
         w.conn.shutdown()
 
 
+def test_pipeline_parallelism_gets_a_clear_error(model_dir):
+    config = make_config(model_dir, "kv_producer")
+    config.parallel_config.pipeline_parallel_size = 2
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="does not support pipeline parallelism"):
+            PDDConnector(config, role, make_kv_cache_config(config, attention_spec()))
+
+
 def test_hybrid_model_gets_a_clear_error(model_dir):
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 

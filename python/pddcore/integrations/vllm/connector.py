@@ -31,6 +31,10 @@ class PDDConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("PDDConnector does not support pipeline parallelism (each stage holds only its "
+                             "layers, and the stages' workers would share ports); serve with "
+                             "--pipeline-parallel-size 1 or use another connector")
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.engine_id = self._kv_transfer_config.engine_id
         self.attention_spec = attention_spec(kv_cache_config)

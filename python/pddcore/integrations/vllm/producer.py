@@ -222,6 +222,7 @@ class ProducerWorker:
             src = own = self.staging.acquire(nbytes)
             first = skip * self.pages_per_block
             pack(staged.layout, torch.arange(first, first + n * self.pages_per_block), heads=heads, out=own.tensor)
+            wait_for_stream(staged.layout.device)  # GPUDirect staging: the NIC reads what the kernel writes
         transfer = self.engine.write(self._peers.connect(address), src.region, 0, bytes.fromhex(pull["region"]),
                                      pull["offset"], nbytes,
                                      notify=MESSAGES.encode("done", req=pull["d_req"], src=self.tp_rank))
