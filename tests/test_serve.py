@@ -309,3 +309,19 @@ def test_concurrent_requests_each_get_their_own_tokens_once(engines, gateways):
     for prompt, (ids, _, trace) in zip(prompts, results):
         assert ids == oracle(engines, prompt, 60), trace
         assert len(trace["sources"]) == 60
+
+
+def test_the_gateway_across_the_emulated_wan():
+    """The bench's serve case on a short trace: P and RLD in one namespace, MD behind the
+    emulated 100 Mbit/s, 25 ms link; cross-DC PD and PDD give the same tokens, PDD starts
+    the fresh document on RLD and sends the follow-ups straight to MD."""
+    from pddcore.benchmarks.serve_cases import format_table, serve_case
+    from pddcore.testing.wan import unavailable_reason
+
+    if (reason := unavailable_reason()) is not None:
+        pytest.skip(reason)
+    r = serve_case(3, document_tokens=256, first_output_tokens=40, output_tokens=12)
+    assert r.identical_tokens
+    assert r.modes["pd"]["routes"] == {"P_MD": 3}
+    assert r.modes["pdd"]["routes"] == {"P_RLD_MD": 1, "P_MD": 2}, r.modes["pdd"]
+    assert r.modes["pd"]["wan_kv_bytes"] > 0 and "identical tokens: True" in format_table(r)

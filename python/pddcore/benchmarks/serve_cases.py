@@ -199,8 +199,9 @@ def gateway_cost(tokens: int = 200, trials: int = 3) -> tuple[float, float]:
     return percentiles(via)[50], percentiles(direct)[50]
 
 
-def serve_case(requests: int = 12) -> ServeResult:
-    scenario = agentic_trace(requests)
+def serve_case(requests: int = 12, **trace: int) -> ServeResult:
+    """``trace``: :func:`pddcore.deploy.agentic_trace` options (the demo's by default)."""
+    scenario = agentic_trace(requests, **trace)
     result = ServeResult(requests)
     with tempfile.TemporaryDirectory(prefix="pddcore-bench-serve-") as tmp:
         with WanLink(rate=f"{BANDWIDTH_MBIT}mbit", delay_ms=DELAY_MS) as link:
