@@ -352,7 +352,7 @@ def case_codec(quick: bool, backend: str) -> CaseOutput:
                  Row("codec", f"{tag}: encode", p.encode_gbps, "memcpy", p.memcpy_gbps, "GB/s"),
                  Row("codec", f"{tag}: decode", p.decode_gbps, "memcpy", p.memcpy_gbps, "GB/s")]
     rows += [Row("codec", f"fp8, {e.kv}: max error / page amax", e.max_rel_amax, "E4M3 bound", e.bound_rel_amax, "")
-             for e in report.fp8]
+             for e in report.fp8_error]
     rows += [Row("codec", f"{g.arm} KV: identical greedy requests", g.identical, "requests", g.requests, "")
              for g in report.greedy]
     data, text = report.as_dict(), codec_cases.format_report(report)
