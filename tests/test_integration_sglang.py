@@ -269,8 +269,8 @@ def _drive_prefill(p_tp, total, fill, port, room, p_pages, prefix_pages, chunks,
         server.close()
 
 
-@pytest.mark.parametrize("mla,p_tp,d_tp", [(False, 1, 1), (False, 2, 1), (False, 1, 2), (True, 1, 1)],
-                         ids=["mha-tp1-1", "mha-tp2-1", "mha-tp1-2", "mla-tp1-1"])
+@pytest.mark.parametrize("mla,p_tp,d_tp", [(False, 1, 1), (False, 2, 1), (False, 1, 2), (True, 1, 1), (True, 1, 2)],
+                         ids=["mha-tp1-1", "mha-tp2-1", "mha-tp1-2", "mla-tp1-1", "mla-tp1-2"])
 def test_pages_and_prefix_suffix_arrive_byte_identical(run_decode, mla, p_tp, d_tp):
     total, port, room = 4, _free_port(), 4242 + p_tp * 10 + d_tp + 100 * mla
     fill = _fill(mla, total, seed=p_tp * 7 + d_tp + mla)
@@ -598,6 +598,28 @@ def test_unsupported_deployments_are_refused_at_start(mode):
     for args, server_args, what in cases:
         with pytest.raises(ValueError, match=f"does not support .*{what}.*mooncake or nixl"):
             pdd.PDDKVManager(args, mode, server_args)
+
+
+def test_mla_with_a_larger_prefill_tp_fails_with_its_reason():
+    """MLA, prefill TP 2 and decode TP 1: prefill rank 1 would wait for a decode rank that never
+    comes, so the request fails at once on the decode side, saying why."""
+    port = _free_port()
+    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
+    prefill = [pdd.PDDKVManager(Rank(mla=True, heads=1, total_heads=1, rank=r).args, "prefill",
+                                _server_args(port, 2), True) for r in range(2)]
+    decode = pdd.PDDKVManager(Rank(mla=True, heads=1, total_heads=1, rank=0).args, "decode", _server_args(_free_port()),
+                              True)
+    try:
+        receiver = pdd.PDDKVReceiver(decode, f"127.0.0.1:{port}", 12, timeout_s=60)
+        _wait(lambda: receiver.poll() != KVPoll.Bootstrapping)
+        assert receiver.poll() == KVPoll.Failed
+        with pytest.raises(pdd.PDDTransferError, match=r"prefill TP size \(2\) above the decode's \(1\)"):
+            receiver.failure_exception()
+    finally:
+        decode.close()
+        for m in prefill:
+            m.close()
+        server.close()
 
 
 def test_sender_refuses_calls_out_of_order(pair):

@@ -104,10 +104,12 @@ class PDDKVReceiver(BaseKVReceiver):
             mgr.ensure_layout(info)
         except ValueError as exc:
             return self._fail(str(exc), tell_peers=False)
-        if mgr.is_mla:
-            if info.tp_size != mgr.tp_size:
-                return self._fail("MLA with differing prefill/decode TP sizes is not supported", tell_peers=False)
-            self._sources = [(mgr.rank, None, None)]
+        if mgr.is_mla:  # every prefill rank holds the one latent: decode rank r reads prefill rank r % their TP
+            if info.tp_size > mgr.tp_size:
+                return self._fail(f"MLA with a prefill TP size ({info.tp_size}) above the decode's ({mgr.tp_size}) "
+                                  "is not supported: prefill ranks no decode rank reads would wait for it",
+                                  tell_peers=False)
+            self._sources = [(mgr.rank % info.tp_size, None, None)]
         else:
             if info.total_kv_heads != mgr.total_kv_heads:
                 return self._fail(f"prefill has {info.total_kv_heads} KV heads, decode {mgr.total_kv_heads}",

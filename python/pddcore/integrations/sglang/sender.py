@@ -61,7 +61,10 @@ class PDDKVSender(BaseKVSender):
         if not regs:
             return None
         mgr = self.kv_mgr
-        expected = 1 if mgr.is_mla else destinations_of(mgr.total_kv_heads, mgr.tp_size, regs[0].d_tp, mgr.rank)
+        if mgr.is_mla:  # decode ranks r, r + tp, ... read this rank's latent
+            expected = len(range(mgr.rank, regs[0].d_tp, mgr.tp_size))
+        else:
+            expected = destinations_of(mgr.total_kv_heads, mgr.tp_size, regs[0].d_tp, mgr.rank)
         return list(regs) if len(regs) >= expected else None
 
     def _fail(self, reason: str, tell_peers: bool = True) -> None:
