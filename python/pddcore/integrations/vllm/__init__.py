@@ -9,10 +9,10 @@ Load it the standard way::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "PDDConnector",
         "kv_connector_module_path": "pddcore.integrations.vllm", "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"auth_token": "SHARED-SECRET"}}'
+        "kv_connector_extra_config": {"auth_token": "'$PDDCORE_AUTH_TOKEN'"}}'
 
-(the same ``auth_token`` on every producer and consumer: an engine listening beyond
-loopback refuses to start without one).
+(``PDDCORE_AUTH_TOKEN``: one ``pddcore token``, the same on every producer and consumer; an
+engine listening beyond loopback refuses to start without it).
 
 It speaks the ``kv_transfer_params`` of vLLM's own disaggregation connectors
 (``do_remote_prefill``, ``do_remote_decode``, ``remote_block_ids``, ``remote_engine_id``,
