@@ -145,11 +145,9 @@ def test_scheduler_producer_then_consumer(model_dir):
     assert params["remote_block_ids"] == blocks and params["remote_request_id"] == "p-1"
     assert (params["remote_host"], params["remote_port"], params["tp_size"]) == ("127.0.0.1", 45001, 1)
     assert not meta.pushes and "pdd_pushed" not in params  # no pdd_push_to: pulled, as ever
-    assert prod.connector.has_pending_push_work() and free_blocks(prod) == idle - 3  # held for the consumer
+    assert free_blocks(prod) == idle  # freed at once: the workers serve the consumer from their staged copy
     out = prod.schedule()
-    assert out.kv_connector_metadata.send_deadlines == {"p-1": prod.connector.lease_s}
-    prod.update_from_output(out, runner_output([], KVConnectorOutput(finished_sending={"p-1"})))
-    assert free_blocks(prod) == idle and not prod.connector.has_pending_push_work()
+    assert out.kv_connector_metadata.send_deadlines == {"p-1": prod.connector.lease_s}  # the copy's lease
 
     cons = make_scheduler(model_dir, "kv_consumer")
     creq = make_request("d-1", prompt, 3, dict(params))
@@ -358,8 +356,7 @@ def test_workers_in_two_processes_move_vllm_allocated_blocks_byte_identical(mode
             msg = parent.recv()
             assert msg == "ready", msg
             parent.send([w.conn.address for w in producers])
-            sent, _ = drive([w.conn for w in producers], lambda r, e: all(x.finished_sending for x in r))
-            assert all(r.finished_sending == {"p-req"} for r in sent)
+            drive([w.conn for w in producers], lambda r, e: not any(w.conn._staged for w in producers))
             result = parent.recv()
             assert "crash" not in result, result
             assert result["failed"] == [[]] * job["d_tp"] and result["errors"] == [[]] * job["d_tp"], job
@@ -549,8 +546,8 @@ def pull(consumer: Worker, d_req: str, params: dict, d_blocks: list[int]) -> Non
 
 def test_pdd_consumers_keeps_the_kv_until_every_consumer_pulled(model_dir):
     """A prefill whose kv_transfer_params say "pdd_consumers": 2 (a relay and a main decode)
-    keeps its blocks after the first consumer's pull and frees them after the second's; a
-    third consumer then finds nothing. Without the key one pull frees them, as ever."""
+    keeps its staged copy after the first consumer's pull and frees it after the second's; a
+    third consumer then finds nothing. vLLM got the blocks back when the request finished."""
     prod = make_scheduler(model_dir, "kv_producer")
     pw = make_worker(model_dir, "kv_producer", seed=11)
     consumers = [make_worker(model_dir, "kv_consumer", seed=12 + i) for i in range(3)]
@@ -564,20 +561,16 @@ def test_pdd_consumers_keeps_the_kv_until_every_consumer_pulled(model_dir):
         params = finished_params(prod.update_from_output(out, runner_output([req], worker_step(
             pw, out.kv_connector_metadata, forward=True))))
         p_blocks = params["remote_block_ids"]
+        assert free_blocks(prod) == idle
         engine_step(prod, pw)  # the scheduler tells the worker the request finished (its lease)
-        sent = set()
         for i, consumer in enumerate(consumers[:2]):
             pull(consumer, f"d-{i}", params, [1, 4, 6])
             results, errors = drive([pw.conn, consumer.conn], lambda r, e: r[1].finished_recving)
             assert not results[1].failed_recving and not errors[1]
             assert as_bytes(consumer.blocks([1, 4, 6])) == as_bytes(pw.blocks(p_blocks))
-            sent |= results[0].finished_sending
             if i == 0:
-                assert not sent and "p-2" in pw.conn._staged and free_blocks(prod) == idle - 3  # kept for the second
-        sent |= drive([pw.conn], lambda r, e: sent | r[0].finished_sending)[0][0].finished_sending
-        assert sent == {"p-2"} and not pw.conn._staged
-        prod.update_from_output(prod.schedule(), runner_output([], KVConnectorOutput(finished_sending=sent)))
-        assert free_blocks(prod) == idle
+                assert "p-2" in pw.conn._staged  # kept for the second
+        drive([pw.conn], lambda r, e: not pw.conn._staged)
         pull(consumers[2], "d-2", params, [1, 4, 6])
         results, errors = drive([pw.conn, consumers[2].conn], lambda r, e: r[1].finished_recving)
         assert results[1].failed_recving == {"d-2"} and errors[1] == {1, 4, 6}  # the third finds no KV
@@ -650,7 +643,7 @@ def test_a_step_replayed_as_a_full_cuda_graph_ships_its_kv(model_dir, push):
         params = pushed_params(pw, "p-req", p_blocks) if push else dict(pushed_params(pw, "p-req", p_blocks),
                                                                          pdd_pushed=False)
         pull(cw, "d-req", params, d_blocks)
-        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving and r[0].finished_sending)
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving and not pw.conn._staged)
         assert not results[1].failed_recving and not errors[1]
         assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks))
     finally:
@@ -692,7 +685,7 @@ def test_every_cuda_path_runs_on_the_kv_gpu(model_dir, monkeypatch, push):
         for w in cws:
             pull(w, "d-req", params, d_blocks)
         results, errors = drive([w.conn for w in pws + cws], lambda r, e: all(
-            x.finished_recving for x in r[len(pws):]) and all(x.finished_sending for x in r[:len(pws)]))
+            x.finished_recving for x in r[len(pws):]) and not any(w.conn._staged for w in pws))
         assert not any(x.failed_recving for x in results) and not any(errors)
         want = [torch.cat(parts, dim=2) for parts in zip(*(w.blocks(p_blocks) for w in pws))]  # all heads
         assert as_bytes(cws[0].blocks(d_blocks)) == as_bytes(want)
@@ -838,10 +831,10 @@ def test_push_mode_end_to_end_through_both_schedulers(model_dir, p_layout, d_lay
         assert params["pdd_addresses"] == [pw.conn.address]  # the pull keys stay
 
         cons.add_request(make_request("d-A", prompt, 3, dict(params)))
-        deadline, first_scheduled, recving, sending = time.monotonic() + 60, {}, set(), set()
-        while "d-A" not in first_scheduled or "p-A" not in sending:
+        deadline, first_scheduled, recving = time.monotonic() + 60, {}, set()
+        while "d-A" not in first_scheduled or pw.conn._staged:
             assert time.monotonic() < deadline
-            sending |= engine_step(prod, pw)[1].finished_sending
+            engine_step(prod, pw)
             scheduled, kv_out = engine_step(cons, cw)
             assert not kv_out.failed_recving and not kv_out.invalid_block_ids
             recving |= kv_out.finished_recving
@@ -880,15 +873,14 @@ def test_push_posts_each_layer_from_save_kv_layer_while_the_forward_runs(model_d
         assert landed() == [True, True, False] and not reservation.complete
         forward(pw, meta, range(2, LAYERS))
         assert target.posted == set(range(LAYERS))  # every layer left before wait_for_save
-        sent = end_forward(pw).finished_sending | worker_step(pw, PDDConnectorMetadata(
-            send_deadlines={"p-req": 60.0})).finished_sending
+        end_forward(pw)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
         out = worker_step(cw, PDDConnectorMetadata(loads={"d-req": _Load([10, 12, 14], 0,
                                                                          pushed_params(pw, "p-req", [3, 8, 5]))}))
         results, errors = drive([pw.conn, cw.conn], lambda r, e: (out.finished_recving | r[1].finished_recving)
-                                and (sent | r[0].finished_sending))
+                                and not pw.conn._staged)
         assert out.finished_recving | results[1].finished_recving == {"d-req"}
         assert not out.failed_recving and not results[1].failed_recving and not out.invalid_block_ids and not errors[1]
-        assert sent | results[0].finished_sending == {"p-req"}
         assert as_bytes(cw.blocks([10, 12, 14])) == as_bytes(pw.blocks([3, 8, 5]))
     finally:
         pw.conn.shutdown()
@@ -911,9 +903,8 @@ def test_layers_pushed_before_the_consumer_saw_the_request_are_kept_and_used(mod
         assert len(pw.conn._staged["p-req"].push.targets) == d_tp
         worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
         stream = (pw.conn.engine.engine_id, b"p-req")
-        sent, _ = drive([pw.conn] + [w.conn for w in cws], lambda r, e: r[0].finished_sending and all(
+        drive([pw.conn] + [w.conn for w in cws], lambda r, e: not pw.conn._staged and all(
             stream in w.conn._reservations and w.conn._reservations[stream].complete for w in cws))
-        assert sent[0].finished_sending == {"p-req"} and not pw.conn._staged
         assert all(list(w.conn._reservations) == [stream] for w in cws)  # every layer landed, nobody loaded yet
         messages_at_producer = pw.conn.engine.stats()["messages_received"]
         for w in cws:
@@ -1042,9 +1033,8 @@ def test_a_refused_push_falls_back_to_a_pull(model_dir):
         worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
         assert "p-req" in pw.conn._staged  # kept for the pull the consumer falls back to
         worker_step(cw, PDDConnectorMetadata(loads={"d-req": _Load(d_blocks, 0, pushed_params(pw, "p-req", p_blocks))}))
-        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving and r[0].finished_sending)
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving and not pw.conn._staged)
         assert results[1].finished_recving == {"d-req"} and not results[1].failed_recving and not errors[1]
-        assert results[0].finished_sending == {"p-req"} and not pw.conn._staged
         assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks))
     finally:
         pw.conn.shutdown()

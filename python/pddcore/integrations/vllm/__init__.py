@@ -25,14 +25,18 @@ the default:
 
 * producer workers: ``save_kv_layer`` packs each layer of a request whose prefill completes
   this step into a staging buffer (``pddcore.pack``, layer-major) as the forward proceeds;
-  ``request_finished`` keeps the blocks until the consumer has the KV (or the lease ends);
+  ``wait_for_save`` packs the layers no ``save_kv_layer`` saw (a full CUDA graph replay);
+  ``request_finished`` hands the blocks back to vLLM at once, and the staged copy serves the
+  consumers (``"pdd_consumers": N`` in the request's params: N of them; default 1) until
+  each was served or the lease ends;
 * consumer workers: ``start_load_kv`` registers a staging buffer and sends each producer rank
   it needs a pull request (blocks to skip: the decode side's own prefix-cache hit; head range
   when the TP sizes differ); the producer packs, head-sliced, and writes it with a notify;
 * the consumer unpacks into its blocks only once every producer rank's write was verified
   and applied, then reports the request in ``finished_recving``; a failure reports its blocks
   through ``get_block_ids_with_load_errors`` (and the request in ``failed_recving``), so vLLM
-  recomputes them rather than read a half-written block.
+  never reads a half-written block: it recomputes the request with
+  ``kv_load_failure_policy="recompute"`` and fails it with its default, ``"fail"``.
 
 Push mode streams the KV layer by layer during the prefill, so the transfer overlaps the
 forward instead of starting after it (the proxy knows both sides, as for vLLM's
@@ -53,8 +57,8 @@ params::
   at once when they all landed before the consumer's scheduler saw the request;
 * only the engine that reserved a buffer is told where it is, and its stream is believed
   only from that engine (the notification's sender engine id); a buffer nobody claims within
-  ``lease_s`` is freed; a refused, failed or incomplete stream fails the load like a failed
-  pull (vLLM recomputes the prompt);
+  ``lease_s`` is freed; after a refused, failed or incomplete stream the consumer pulls the
+  KV instead, from the staged copy the producer keeps for that;
 * equal TP sizes only (MLA: any, every rank holds the same latent); a request whose
   ``pdd_push_to`` does not list one address per producer rank, or is malformed, is pulled.
 

@@ -81,7 +81,7 @@ class _Staged:
 
 class ProducerWorker:
     """The producer's worker methods; :class:`~.worker.WorkerSide` supplies the engine,
-    ``layout``, ``staging``, ``_peers`` and the ``_finished_sending`` set."""
+    ``layout``, ``staging`` and ``_peers``."""
 
     def _init_producer(self) -> None:
         self._staged: dict[str, _Staged] = {}          # req -> packed KV
@@ -155,8 +155,6 @@ class ProducerWorker:
             if req_id in self._staged:
                 self._staged[req_id].deadline = time.monotonic() + lease
                 self._finish_if_served(req_id)  # consumers may have been served within the last step
-            else:  # nothing was staged here (e.g. a prefill that never ran on this rank)
-                self._finished_sending.add(req_id)
         for req_id in meta.dropped_sends:
             self._drop_send(req_id)
 
@@ -255,10 +253,9 @@ class ProducerWorker:
             if staged.deadline is not None and now > staged.deadline and req_id not in self._serving:
                 log.warning("PDDConnector: lease of %s expired before a consumer pulled it", req_id)
                 self._drop_send(req_id)
-                self._finished_sending.add(req_id)
 
     def _finish_if_served(self, req_id: str) -> None:
-        """Frees the staged copy (and reports the blocks free) once every consumer it expects
+        """Frees the staged copy once every consumer it expects
         was served and no write from it is still out, never before the scheduler finished the
         request (a push, or a pull under async scheduling, can complete within its last step)."""
         staged = self._staged.get(req_id)
@@ -266,4 +263,3 @@ class ProducerWorker:
             return
         self._serving.pop(req_id, None)
         self._drop_send(req_id)
-        self._finished_sending.add(req_id)

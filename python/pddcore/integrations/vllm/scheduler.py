@@ -47,7 +47,6 @@ class SchedulerSide:
         self._consumers: dict[str, int] = {}
         self._loads: dict[str, _Load] = {}
         self._meta = PDDConnectorMetadata()
-        self._sending: set[str] = set()
         self._addresses: dict[int, str] = {}
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -124,10 +123,11 @@ class SchedulerSide:
         block_ids = _first_group(block_ids)
         if not block_ids:
             return False, None
-        self._sending.add(request.request_id)
         self._meta.send_deadlines[request.request_id] = self.lease_s
         host, port = self._producer_address()
-        return True, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=block_ids,
+        # False: vLLM frees the blocks at once. The workers staged a copy of them when the
+        # prefill completed (wait_for_save of that step), and serve every consumer from it.
+        return False, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=block_ids,
                           remote_engine_id=self.engine_id, remote_request_id=request.request_id,
                           remote_host=host, remote_port=port, tp_size=self.tp_size,
                           remote_num_tokens=request.num_computed_tokens,
@@ -160,10 +160,3 @@ class SchedulerSide:
                         req_id, count)
             return 1
         return count
-
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        for req_id in connector_output.finished_sending or ():
-            self._sending.discard(req_id)
-
-    def has_pending_push_work(self) -> bool:
-        return bool(self._sending)

@@ -63,7 +63,6 @@ class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
         self._init_push_producer()
         self._init_consumer()
         self._init_push_consumer()
-        self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
 
@@ -136,8 +135,9 @@ class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
         self._progress_sends()
         self._expire_loads()
         self._expire_reservations()
-        results = KVConnectorTransferResults(self._finished_sending, self._finished_recving, self._failed_recving)
-        self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
+        # Nothing in finished_sending: a producer's blocks went back when its request finished.
+        results = KVConnectorTransferResults(set(), self._finished_recving, self._failed_recving)
+        self._finished_recving, self._failed_recving = set(), set()
         return results
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
