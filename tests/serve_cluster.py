@@ -3,48 +3,23 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import requests
 
+from pddcore.testing.servers import ServerProcess
+
 TOKEN = "a3f1c0de9b7e4d2a8c6f5e1b0a9d8c7e6f5a4b3c2d1e0f9a"  # 192 bits, for every engine's transfer engine
 
 
-class Proc:
-    """A ``pddcore`` subcommand that prints ``{"url": ...}`` once it serves."""
+class Proc(ServerProcess):
+    """A ``pddcore`` server on loopback whose engines share the test token."""
 
-    def __init__(self, *args: str, env: dict | None = None):
-        self.args = args
-        self.proc = subprocess.Popen([sys.executable, "-m", "pddcore.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PDDCORE_AUTH_TOKEN": TOKEN, **(env or {})})
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"pddcore {' '.join(args)} exited: {self.proc.stderr.read()[-3000:]}")
-        self.url = json.loads(line)["url"]
+    def __init__(self, *args: str):
+        super().__init__(args, env={"PDDCORE_AUTH_TOKEN": TOKEN})
 
     def get(self, path: str) -> dict:
         return requests.get(self.url + path, timeout=30).json()
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> str:
-        """Stops the process; returns the tail of its log."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.stderr.read()[-3000:]
 
 
 def engine(role: str, *extra: str) -> Proc:

@@ -32,6 +32,7 @@ import requests
 
 from .._stats import percentiles
 from ..deploy.trace import agentic_trace
+from ..testing.servers import ServerProcess
 from ..testing.wan import WanLink
 from .results import Result
 
@@ -65,45 +66,24 @@ class ServeResult(Result):
         return self.gateway_tpot_ms / self.direct_tpot_ms
 
 
-class _Launched:
-    """A ``pddcore`` subcommand in a namespace (or here), and the URL it printed."""
-
-    def __init__(self, where, args: list[str], log_path: str):
-        self.log_path = log_path
-        env = {**os.environ, "PDDCORE_AUTH_TOKEN": _TOKEN}
-        argv = [sys.executable, "-m", "pddcore.cli", *args]
-        with open(log_path, "w") as log:
-            self.proc = (where.popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env) if where
-                         else subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env))
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"pddcore {' '.join(args)} exited:\n{open(log_path).read()[-2000:]}")
-        self.url = json.loads(line)["url"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 _TOKEN = secrets.token_hex(32)
 
 
-def _engine(where, host: str, role: str, tmp: str, name: str) -> _Launched:
-    return _Launched(where, ["engine", "--role", role, "--host", host, "--port", "0", "--pool-pages", "4096"],
-                     os.path.join(tmp, f"{name}.log"))
+def _launch(where, args: list[str], tmp: str, name: str) -> ServerProcess:
+    return ServerProcess(args, where=where, env={"PDDCORE_AUTH_TOKEN": _TOKEN},
+                         log_path=os.path.join(tmp, f"{name}.log"))
+
+
+def _engine(where, host: str, role: str, tmp: str, name: str) -> ServerProcess:
+    return _launch(where, ["engine", "--role", role, "--host", host, "--port", "0", "--pool-pages", "4096"], tmp, name)
 
 
 def _gateway(where, host: str, p: str, relay: str | None, main: str | None, tmp: str, name: str,
-             *extra: str) -> _Launched:
+             *extra: str) -> ServerProcess:
     args = ["serve", "--engine", "reference", "--host", host, "--port", "0", "--prefill", p]
     args += ["--relay", relay] if relay else []
     args += ["--main", main] if main else []
-    return _Launched(where, args + list(extra), os.path.join(tmp, f"{name}.log"))
+    return _launch(where, args + list(extra), tmp, name)
 
 
 def _summary(results: dict) -> dict:
@@ -122,7 +102,7 @@ def _summary(results: dict) -> dict:
 
 def _play(link: WanLink, mode: str, scenario, tmp: str) -> dict:
     a, b = link.a.address, link.b.address
-    procs: list[_Launched] = []
+    procs: list[ServerProcess] = []
     try:
         p = _engine(link.a, a, "prefill", tmp, f"{mode}-p")
         procs.append(p)

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     server = EngineServer(args.role, model, scheduler, model_name=args.served_model_name)
 
     async def serve() -> None:
-        runner = web.AppRunner(server.app(), handler_cancellation=True)
+        runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()

@@ -46,7 +46,7 @@ async def serve_gateway(args: argparse.Namespace, *, api_key: str | None = None)
                                policy=HandoffPolicy(catch_up_threshold=args.catch_up_threshold))
         gateway = Gateway(prefill, relay, main, config)
         runner = web.AppRunner(GatewayApp(gateway, model_name=args.served_model_name).app(),
-                               handler_cancellation=True)
+                               handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
