@@ -5,6 +5,10 @@ only writes its output argument, and its real one dispatches to the Triton kerne
 torch reference. The ops take the host copy of the ragged offsets (from a plan) as int
 lists, so nothing in them reads a tensor back to the host. Arguments arrive checked by
 `pddcore.kernels`; call the public functions and plans, not these.
+
+`extend_attention`, `decode_attention` and `store_kv` here go through the ops only while
+torch.compile traces; eagerly they call the implementation directly, since the
+dispatcher costs tens of microseconds per call (per layer, in a forward pass).
 """
 
 from __future__ import annotations
@@ -53,8 +57,7 @@ def _batch(qo_offsets: list[int], kv_offsets: list[int], q: torch.Tensor, k_buff
     return Batch(list(qo_offsets), list(kv_offsets), q.shape[1], kv_heads, head_dim, page_size, sm_scale)
 
 
-@torch.library.custom_op("pddcore::extend_attention", mutates_args=("o_extend",))
-def extend_attention(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor, o_extend: torch.Tensor,
+def _extend_attention(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor, o_extend: torch.Tensor,
                      k_buffer: torch.Tensor, v_buffer: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, qo_offsets: list[int], kv_offsets: list[int], sm_scale: float,
                      causal: bool, sliding_window: int, logit_cap: float) -> None:
@@ -69,8 +72,7 @@ def extend_attention(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: t
                                    **options)
 
 
-@torch.library.custom_op("pddcore::decode_attention", mutates_args=("o",))
-def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
+def _decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
                      qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      kv_offsets: list[int], sm_scale: float, sliding_window: int, logit_cap: float) -> None:
     batch = _batch(list(range(len(kv_offsets))), kv_offsets, q, k_buffer, sm_scale)
@@ -83,8 +85,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         reference.decode_attention(q, k_buffer, v_buffer, o, kv_indices, batch, **options)
 
 
-@torch.library.custom_op("pddcore::store_kv", mutates_args=("k_buffer", "v_buffer"))
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+def _store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     if uses_triton(k):
         with _on_device(k.device):
@@ -93,18 +94,35 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
         reference.store_kv(k, v, k_buffer, v_buffer, slot_mapping)
 
 
-@extend_attention.register_fake
+_extend_op = torch.library.custom_op("pddcore::extend_attention", _extend_attention, mutates_args=("o_extend",))
+_decode_op = torch.library.custom_op("pddcore::decode_attention", _decode_attention, mutates_args=("o",))
+_store_op = torch.library.custom_op("pddcore::store_kv", _store_kv, mutates_args=("k_buffer", "v_buffer"))
+
+
+def extend_attention(*args) -> None:
+    (_extend_op if torch.compiler.is_compiling() else _extend_attention)(*args)
+
+
+def decode_attention(*args) -> None:
+    (_decode_op if torch.compiler.is_compiling() else _decode_attention)(*args)
+
+
+def store_kv(*args) -> None:
+    (_store_op if torch.compiler.is_compiling() else _store_kv)(*args)
+
+
+@_extend_op.register_fake
 def _(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, qo_offsets,
       kv_offsets, sm_scale, causal, sliding_window, logit_cap) -> None:
     return None
 
 
-@decode_attention.register_fake
+@_decode_op.register_fake
 def _(q, k_buffer, v_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_offsets, sm_scale, sliding_window,
       logit_cap) -> None:
     return None
 
 
-@store_kv.register_fake
+@_store_op.register_fake
 def _(k, v, k_buffer, v_buffer, slot_mapping) -> None:
     return None
