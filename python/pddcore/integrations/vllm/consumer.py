@@ -4,8 +4,9 @@ a ``pull`` (blocks to skip: the decode side's own prefix-cache hit; head range w
 sizes differ). The request's blocks are unpacked only once every producer rank's write
 was verified and applied, then reported in ``finished_recving``; a failure reports its
 blocks through ``get_block_ids_with_load_errors`` (and the request in ``failed_recving``),
-so vLLM recomputes them rather than read a half-written block. A request whose KV the
-producer pushed (``pdd_pushed``) is loaded from its push buffer instead (:mod:`.push_consumer`).
+so vLLM never reads a half-written block. A request whose KV the producer pushed
+(``pdd_pushed``) is loaded from its push buffer instead (:mod:`.push_consumer`), and pulled
+after all when that push failed.
 
 The staging buffer holds one segment per producer rank, in the order of the sources::
 

@@ -147,8 +147,8 @@ class PushConsumer:
             self._end_reservation(stream, f"the producer gave up: {msg['reason']}")
 
     def _end_reservation(self, stream: StreamId, failure: str) -> None:
-        """The stream failed: its buffer goes, and so does the load that claimed it; an
-        unclaimed entry stays until its lease ends, so that a later load of it fails at once."""
+        """The stream failed: its buffer goes, and the load that claimed it pulls instead; an
+        unclaimed entry stays until its lease ends, so that a later load of it pulls at once."""
         reservation = self._reservations[stream]
         reservation.failure = failure
         self._discard_buffer(reservation)

@@ -18,7 +18,7 @@ The push buffer mirrors the staged copy (layer-major), so each layer keeps its o
     staged bytes [lo, hi) of layer l  ->  push buffer [offset + lo, offset + hi)   (notify: layer l landed)
 
 A push that fails (refused, a write failed, the request was dropped) tells the consumer with
-``stream_failed``, which fails its load (vLLM recomputes) rather than wait for its timeout.
+``stream_failed``, so that its load pulls the KV at once rather than wait for its timeout.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class PushProducer:
         self._post_packed_layers(req, staged)
 
     def _on_refused(self, message: Message, msg: dict) -> None:
-        """The consumer would not take the push (it fails its load itself)."""
+        """The consumer would not take the push (its load pulls instead)."""
         req = msg["req"]
         staged = self._staged.get(req)
         for target in staged.push.targets if staged is not None and staged.push is not None else []:
