@@ -1,7 +1,7 @@
 """Kernels ready for CUDA graphs and torch.compile, checked on CPU.
 
 A plan reads the batch's index tensors back to the host once; its runs read nothing back
-(so nothing in them synchronises with the GPU), and every launch is a
+(so nothing in them synchronises with the GPU), and under torch.compile every launch is a
 ``torch.ops.pddcore`` custom op with a fake implementation, so ``torch.compile`` keeps a
 whole decode step in one graph. The compile uses the ``aot_eager`` backend: it traces the
 ops through their fake implementations and functionalizes their writes as inductor does,

@@ -36,8 +36,8 @@ the used kv_indices, or the slot mapping) back to the host. The one-shot functio
 that on every call, one small sync on CUDA. `ExtendPlan`, `DecodePlan` and `StorePlan`
 do it once per batch; their ``run`` (for every layer) checks only shapes, dtypes and
 devices and launches with no host synchronisation, so it can be captured in a CUDA graph.
-Every launch goes through a ``torch.ops.pddcore`` custom op with a fake implementation,
-so ``torch.compile(fullgraph=True)`` keeps a step that runs plans in one graph.
+Under torch.compile every launch is a ``torch.ops.pddcore`` custom op with a fake
+implementation, so ``torch.compile(fullgraph=True)`` keeps a step that runs plans in one graph.
 
 Example::
 
