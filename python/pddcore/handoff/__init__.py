@@ -1,4 +1,4 @@
-"""Extend-Decode Handoff: the token-ID message RLD sends MD (:mod:`.codec`), the one-shot /
+"""Extend-Decode Handoff: the token-ID message RLD sends MD (:mod:`.message`), the one-shot /
 catch-up policy that decides when to send it (:mod:`.policy`), and the MD-side assembler
 (:mod:`.assembler`).
 
@@ -18,7 +18,7 @@ Example::
 """
 
 from .assembler import HandoffAssembler, TokenRange, split_into_messages
-from .codec import (FINAL, HEADER_BYTES, MAGIC, MAX_REQUEST_ID_BYTES, MAX_TOKENS, TRAILER_BYTES, VERSION, Handoff,
+from .message import (FINAL, HEADER_BYTES, MAGIC, MAX_REQUEST_ID_BYTES, MAX_TOKENS, TRAILER_BYTES, VERSION, Handoff,
                     HandoffError, HandoffFlag, SamplerState)
 from .policy import HandoffDecision, HandoffMode, HandoffPolicy, HandoffState
 

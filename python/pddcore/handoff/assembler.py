@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from .codec import FINAL, Handoff, HandoffError, SamplerState
+from .message import FINAL, Handoff, HandoffError, SamplerState
 
 __all__ = ["TokenRange", "HandoffAssembler", "split_into_messages"]
 
