@@ -110,25 +110,3 @@ def test_cuda_plan_runs_on_a_non_default_stream_and_in_a_cuda_graph():
     torch.cuda.synchronize()
     want = reference_pack([t.cpu() for t in ck], [t.cpu() for t in cv], torch.tensor([9, 2, 3, 4, 31]))
     assert torch.equal(out.cpu(), want)
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_cuda_pack_runs_on_the_layout_device_not_the_current_one():
-    """A decode rank on GPU 1 whose thread's current device is GPU 0 (issue 24 item 2)."""
-    k, v = make_pool(2, 20, 16, 4, 64, torch.float16, seed=5)
-    dk, dv = [t.to("cuda:1") for t in k], [t.to("cuda:1") for t in v]
-    torch.cuda.set_device(0)
-    layout = KVLayout.from_tensors(dk, dv)
-    ids = torch.tensor([3, 4, 5, 11])
-    host = torch.empty(layout.packed_nbytes(len(ids)), dtype=torch.uint8, pin_memory=True)
-    pack(layout, ids, out=host)  # the legacy default stream of GPU 1, through the device guard
-    torch.cuda.synchronize(1)
-    assert torch.cuda.current_device() == 0
-    assert torch.equal(host, reference_pack(k, v, ids))
-    zk, zv = [torch.zeros_like(t) for t in dk], [torch.zeros_like(t) for t in dv]
-    unpack(KVLayout.from_tensors(zk, zv), ids, host)
-    torch.cuda.synchronize(1)
-    for a, b in zip(dk + dv, zk + zv):
-        assert torch.equal(a[ids].cpu(), b[ids].cpu())
-    with pytest.raises(ValueError, match="is on cuda:0 but the layout is on cuda:1"):
-        pack(layout, ids, out=torch.empty(host.numel(), dtype=torch.uint8, device="cuda:0"))
