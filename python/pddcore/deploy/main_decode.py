@@ -23,7 +23,7 @@ import torch
 
 from ..handoff import Handoff, HandoffAssembler, HandoffError
 from ..radix import RadixCache, RadixNode
-from ..transfer import Message, Peer, TransferError
+from ..transfer import Message, TransferError
 from . import wire
 from .decoding import DecodeLoop, DecodeRole, Running, land_kv
 from .kv_arrivals import KvArrivals
@@ -59,7 +59,6 @@ class MainDecode(DecodeRole):
         self.loop = DecodeLoop(self.node.model)
         self.kv_arrivals = KvArrivals()
         self.rld_address = config.get("rld_address")
-        self.rld_peer: Peer | None = None
         self.lookups: dict[str, _Lookup] = {}
         self.awaiting: dict[str, _Awaiting] = {}
         self.contexts: dict[str, list[int]] = {}
@@ -191,9 +190,7 @@ class MainDecode(DecodeRole):
         if not self.rld_address:
             return
         try:
-            if self.rld_peer is None or not self.rld_peer.connected:
-                self.rld_peer = self.node.engine.connect(self.rld_address)
-            self.node.engine.send(self.rld_peer, data)
+            self.node.peers.send(self.rld_address, data)
         except TransferError as e:
             self.node.log.warning("message to RLD not sent: %s", e)
 

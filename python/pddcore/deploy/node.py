@@ -14,6 +14,7 @@ import torch
 
 from .. import set_num_threads
 from ..model import Model
+from ..peer_cache import PeerCache
 from ..transfer import TransferEngine
 
 __all__ = ["Node", "load_model"]
@@ -46,6 +47,7 @@ class Node:
         self.layout = self.pool.layout()
         self.engine = TransferEngine(listen=config["listen"], auth_token=config["auth_token"],
                                      timeout_s=config.get("engine_timeout_s", 30.0))
+        self.peers = PeerCache(self.engine)
         self.staging = None
         self.staging_region = None
         if config.get("staging_bytes"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..handoff import FINAL, Handoff, HandoffMode, HandoffPolicy, HandoffState, SamplerState
-from ..transfer import Message, Peer, TransferError
+from ..transfer import Message, TransferError
 from . import wire
 from .decoding import DecodeLoop, DecodeRole, Running, land_kv
 from .kv_arrivals import KvArrivals
@@ -47,7 +47,6 @@ class RelayDecode(DecodeRole):
         self.policy = HandoffPolicy(catch_up_threshold=config.get("catch_up_threshold", 64))
         self.capacity = config.get("capacity", 8)
         self.md_address = config["md_address"]
-        self.md_peer: Peer | None = None
         self.md_alive = True
         self.relays: dict[str, _Relay] = {}      # running P_RLD_MD requests
         self.unconfirmed: dict[str, list[bytes]] = {}  # handed off, MD has not taken over yet
@@ -146,9 +145,7 @@ class RelayDecode(DecodeRole):
 
     def send_md(self, data: bytes) -> None:
         try:
-            if self.md_peer is None or not self.md_peer.connected:
-                self.md_peer = self.node.engine.connect(self.md_address)
-            self.node.engine.send(self.md_peer, data)
+            self.node.peers.send(self.md_address, data)
         except TransferError as e:
             self.node.log.warning("handoff to MD not sent: %s", e)
 

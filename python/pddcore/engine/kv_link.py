@@ -31,6 +31,7 @@ import torch
 
 from .. import pack, unpack
 from ..model import KVPool
+from ..peer_cache import PeerCache
 from ..transfer import Message, Peer, Region, Transfer, TransferEngine
 
 __all__ = ["KvProducer", "KvConsumer", "PendingPull", "KvLinkError", "parse_message"]
@@ -59,20 +60,6 @@ def parse_message(message: Message) -> tuple[str, dict] | None:
     return (kind, body) if isinstance(body, dict) else None
 
 
-class _Peers:
-    """Connections to other engines, by address, made once."""
-
-    def __init__(self, engine: TransferEngine):
-        self.engine = engine
-        self._peers: dict[str, Peer] = {}
-
-    def get(self, address: str) -> Peer:
-        peer = self._peers.get(address)
-        if peer is None or not peer.connected:
-            peer = self._peers[address] = self.engine.connect(address)
-        return peer
-
-
 @dataclass
 class _Lease:
     pages: list[int]
@@ -93,7 +80,7 @@ class KvProducer:
 
     def __init__(self, engine: TransferEngine, pool: KVPool, engine_id: str, lease_s: float):
         self.engine, self.pool, self.engine_id, self.lease_s = engine, pool, engine_id, lease_s
-        self.peers = _Peers(engine)
+        self.peers = PeerCache(engine)
         self.leases: dict[str, _Lease] = {}
         self.sends: list[_Send] = []
         self.pulls_served = 0
@@ -191,7 +178,7 @@ class KvConsumer:
 
     def __init__(self, engine: TransferEngine, pool: KVPool, timeout_s: float):
         self.engine, self.pool, self.timeout_s = engine, pool, timeout_s
-        self.peers = _Peers(engine)
+        self.peers = PeerCache(engine)
         self.page_nbytes = pool.layout().packed_nbytes(1)
         self.pending: dict[str, PendingPull] = {}
         self._ids = itertools.count()
