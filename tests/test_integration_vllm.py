@@ -691,7 +691,7 @@ def test_every_cuda_path_runs_on_the_kv_gpu(model_dir, monkeypatch, push):
         assert as_bytes(cws[0].blocks(d_blocks)) == as_bytes(want)
         kinds = {name for name, _ in cuda.calls}
         used = {"producer pack", "synchronize"} | ({"push buffer unpack", "record"} if push else {"consumer unpack"})
-        assert used <= kinds, kinds
+        assert used <= kinds and "event synchronize" not in kinds, kinds  # the push never stalls the forward
         wrong = [(name, device) for name, device in cuda.calls if device != gpu.get(name, device)
                  or device not in (p_gpu, d_gpu)]  # also: a stream of another device, or none current
         assert not wrong, wrong

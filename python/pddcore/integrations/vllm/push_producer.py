@@ -9,9 +9,8 @@ a ``stream_failed`` never overtakes its ``reserve``). From then on every packed 
 is posted at once as one part of a :class:`~pddcore.streaming.LayerStreamSender`; the layers
 packed before the answer go out from whichever runs first of the next ``save_kv_layer``,
 ``wait_for_save`` or the worker's message pump. On a GPU a layer is posted once its pack
-kernel ran: ``save_kv_layer`` of layer ``l`` waits for layer ``l - 1``'s pack (the GPU is on
-layer ``l`` by then), which bounds how far the CPU runs ahead and lets each layer leave
-while the next one computes.
+kernel ran (its event completed): each hook posts the layers whose event completed and never
+waits for one, so the forward does not stall on the push; ``wait_for_save`` posts the rest.
 
 The push buffer mirrors the staged copy (layer-major), so each layer keeps its offsets::
 
@@ -94,12 +93,9 @@ class PushProducer:
         """``save_kv_layer``'s part: notes ``layer`` packed and posts what is ready to go."""
         on_gpu = self.kv_device.type == "cuda"
         for _, staged in pushing:
-            previous = staged.push.packed.get(layer - 1)
             if on_gpu:
                 event = staged.push.packed[layer] = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.kv_device))
-                if previous is not None and any(t.stream is not None for t in staged.push.targets):
-                    previous.synchronize()
             else:
                 staged.push.packed[layer] = None
         if any(staged.push.awaiting_reservation for _, staged in pushing):
