@@ -11,6 +11,8 @@ namespace pddcore::kv {
 namespace {
 
 constexpr uint64_t kSliceBytes = 1ull << 20;
+// Pool bytes one CPU piece of rows with gaps between them spans (see cut_gapped_rows).
+constexpr uint64_t kGappedSliceSpan = 8ull << 10;
 // Below this many bytes a single thread is faster than waking the pool.
 constexpr uint64_t kParallelThresholdBytes = 512ull << 10;
 // From this many bytes on, the destination will not stay in cache anyway: stores bypass it
@@ -87,15 +89,34 @@ void run_items(const CopyItem* begin, const CopyItem* end, uint8_t* packed) {
 #endif
 }
 
+// Items whose rows have gaps between them (vLLM's K and V halves of one row) cut into
+// pieces spanning at most kGappedSliceSpan pool bytes, so that sorted by address the K and
+// V pieces of the same rows run back to back while those rows are still in cache.
+std::vector<CopyItem> cut_gapped_rows(const std::vector<CopyItem>& items) {
+  std::vector<CopyItem> out;
+  out.reserve(items.size());
+  for (const CopyItem& it : items) {
+    if (it.rows <= 1 || it.pool_stride <= it.row_bytes || it.rows * it.pool_stride <= kGappedSliceSpan) {
+      out.push_back(it);
+      continue;
+    }
+    const uint64_t rows_per_piece = std::max<uint64_t>(1, kGappedSliceSpan / it.pool_stride);
+    for (uint64_t r = 0; r < it.rows; r += rows_per_piece)
+      out.push_back({it.pool_addr + r * it.pool_stride, it.packed_offset + r * it.packed_stride,
+                     std::min(rows_per_piece, it.rows - r), it.row_bytes, it.pool_stride, it.packed_stride});
+  }
+  return out;
+}
+
 template <typename Direction, bool kStream>
 void execute(const std::vector<CopyItem>& items, uint64_t total, uint8_t* packed, ThreadPool& pool) {
   if (total < kParallelThresholdBytes) {
     run_items<Direction, kStream>(items.data(), items.data() + items.size(), packed);
     return;
   }
-  std::vector<CopyItem> slices = slice_items(items);
-  // In pool address order: a layer's K and V halves of one row (vLLM) are then read
-  // together, and the pool is read front to back whatever the page ids' order.
+  std::vector<CopyItem> slices = cut_gapped_rows(slice_items(items));
+  // In pool address order: a layer's K and V halves of the same rows (vLLM) are then read
+  // one right after the other, and the pool front to back whatever the page ids' order.
   std::stable_sort(slices.begin(), slices.end(),
                    [](const CopyItem& a, const CopyItem& b) { return a.pool_addr < b.pool_addr; });
   if (pool.size() == 1) {
