@@ -36,10 +36,12 @@ local IP that ``sglang.srt.utils.network.get_local_ip_auto`` finds (``SGLANG_HOS
 SGLang picks its backend from a closed enum; :func:`install` (:mod:`.plugin`) adds ``"pddcore"`` through
 SGLang's plugin hook registry (``sglang.srt.plugins``; pddcore declares the entry point, so
 ``--disaggregation-transfer-backend pddcore`` works once pddcore is installed).
-Not covered (a request that needs them fails with a clear reason): per-request state buffers
-(``state_indices``: Mamba/SWA/DSA), MLA with differing TP sizes, PD rebootstrap
-(``submit_prefill_recompute``), and the mooncake-only extras (SGLang's staging handler,
-HiCache host destinations).
+Refused when the manager is built (:func:`~.config.check_supported`): DP attention, pipeline
+parallelism, an EAGLE draft KV pool. Not covered (a request that needs them fails with a clear
+reason): per-request state buffers (``state_indices``: Mamba/SWA/DSA), MLA with a prefill TP
+above the decode's, PD rebootstrap (``submit_prefill_recompute``), and the mooncake-only extras
+(SGLang's staging handler, HiCache host destinations). A prefill request no decode rank
+registers for fails after ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` seconds.
 """
 
 from .bootstrap import PDDKVBootstrapServer, PrefillInfo, _http, bootstrap_url
