@@ -1,6 +1,7 @@
 """A stand-in for the ``torch.cuda`` calls the engine adapters make (``device``,
 ``current_stream``, ``Event``), for checking on a CPU-only machine which GPU is current
-wherever an adapter queues work: each thread has its own current device, as with CUDA.
+wherever an adapter queues work (each thread has its own current device, as with CUDA), and
+that nothing reads what an unfinished kernel writes (``events_done = False``).
 
 Example::
 
@@ -26,6 +27,7 @@ class FakeCuda:
     def __init__(self, monkeypatch):
         self._local = threading.local()
         self.calls: list[tuple[str, torch.device | None]] = []
+        self.events_done = True   # what every event's query() answers: False holds the GPU work back
         monkeypatch.setattr(torch.cuda, "device", self._device)
         monkeypatch.setattr(torch.cuda, "current_stream", self._stream)
         monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(self))
@@ -75,7 +77,7 @@ class _Event:
         self._cuda.calls.append(("record", self._cuda.current))
 
     def query(self) -> bool:
-        return True
+        return self._cuda.events_done
 
     def synchronize(self) -> None:
         self._cuda.calls.append(("event synchronize", self._cuda.current))

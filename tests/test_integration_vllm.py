@@ -700,6 +700,35 @@ def test_every_cuda_path_runs_on_the_kv_gpu(model_dir, monkeypatch, push):
             w.conn.shutdown()
 
 
+def test_the_producer_serves_a_pull_only_once_its_packs_ran_without_waiting_for_them(model_dir, monkeypatch):
+    """KV on GPU 3 (torch.cuda stood in for): wait_for_save queues the packs and returns without
+    waiting on the stream; a pull that comes while the packs' event is pending waits in the
+    producer, and is served by the message pump once the event completed."""
+    from fake_cuda import FakeCuda
+
+    cuda = FakeCuda(monkeypatch)
+    pw = make_worker(model_dir, "kv_producer", seed=93)
+    cw = make_worker(model_dir, "kv_consumer", seed=94)
+    pw.conn.kv_device = torch.device("cuda", 3)
+    try:
+        cuda.events_done = False  # the GPU has not run the packs yet
+        p_blocks, d_blocks = [3, 8], [10, 12]
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}), forward=True)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+        assert ("synchronize", torch.device("cuda", 3)) not in cuda.calls  # the step did not wait
+        pull(cw, "d-req", dict(pushed_params(pw, "p-req", p_blocks), pdd_pushed=False), d_blocks)
+        drive([pw.conn, cw.conn], lambda r, e: pw.conn._pulls)  # the pull arrived and waits
+        results, _ = drive([pw.conn, cw.conn], lambda r, e: True)  # another pump: still nothing is sent
+        assert not results[1].finished_recving and pw.conn._pulls and not pw.conn._serving
+        cuda.events_done = True
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
+        assert not results[1].failed_recving and not errors[1]
+        assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks))
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
 def test_rdma_backend_moves_blocks(model_dir):
     """backend="rdma" (the verbs emulator here: no NIC) moves the same blocks; gpudirect needs
     KV on a GPU and says so."""

@@ -10,6 +10,7 @@ Example::
     with on_device(layout.device):        # torch.cuda.device(cuda:3); nothing on the CPU
         pack(layout, pages, out=buf)
         wait_for_stream(layout.device)     # the pack ran: the engine may read buf
+        done = record_event(layout.device) # or: read buf once done.query() (None: it ran already)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["on_device", "on_kv_device", "wait_for_stream"]
+__all__ = ["on_device", "on_kv_device", "wait_for_stream", "record_event"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -51,3 +52,13 @@ def wait_for_stream(device: torch.device) -> None:
     """Waits for the work queued so far on ``device``'s current stream (no-op off CUDA)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def record_event(device: torch.device) -> "torch.cuda.Event | None":
+    """An event on ``device``'s current stream after the work queued so far; None off CUDA,
+    where that work already ran."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

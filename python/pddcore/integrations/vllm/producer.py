@@ -28,7 +28,7 @@ import torch
 from ...layout import KVLayout
 from ...pack import pack
 from ...transfer import Message, Transfer
-from .._device import on_kv_device, wait_for_stream
+from .._device import on_kv_device, record_event, wait_for_stream
 from .._heads import destinations_of
 from .._messages import MalformedMessage
 from .._staging import StagingBuffer, StagingPool
@@ -53,7 +53,8 @@ class _Staged:
     layout: KVLayout
     layer_offsets: list[int]
     packed: set[int] = field(default_factory=set)
-    ready: bool = False
+    saved: bool = False                              # this step's save queued every layer's pack
+    packs_done: "torch.cuda.Event | None" = None     # ... and they ran once it completes (None: they ran)
     deadline: float | None = None
     consumers: int = 1
     shares: dict[tuple[str, str], Share] = field(default_factory=dict)
@@ -72,6 +73,11 @@ class _Staged:
 
     def layer_range(self, layer: int) -> tuple[int, int]:
         return self.layer_offsets[layer], self.layer_offsets[layer + 1]
+
+    @property
+    def ready(self) -> bool:
+        """Whether the staged bytes are all there, so a write may read them."""
+        return self.saved and (self.packs_done is None or self.packs_done.query())
 
     @property
     def served(self) -> bool:
@@ -106,7 +112,7 @@ class ProducerWorker:
     def _staged_for_step(self, req_id: str, block_ids: list[int], meta: PDDConnectorMetadata) -> _Staged:
         """The copy this step's save of ``req_id`` fills, staged from this step's blocks."""
         staged = self._staged.get(req_id)
-        if staged is None or staged.ready:  # a copy from an earlier step names blocks the request may have lost
+        if staged is None or staged.saved:  # a copy from an earlier step names blocks the request may have lost
             if staged is not None:
                 self._drop_send(req_id)
             staged = self._staged[req_id] = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
@@ -132,22 +138,21 @@ class ProducerWorker:
     @on_kv_device
     def wait_for_save(self) -> None:
         """Packs the layers ``save_kv_layer`` did not see (all of them when vLLM replays a full
-        CUDA graph, which skips the per-layer hooks), waits for the packs, then serves."""
+        CUDA graph, which skips the per-layer hooks). It does not wait for the packs: an event
+        after them tells the message pump when the copy may be served."""
         meta = self._connector_metadata
         if not isinstance(meta, PDDConnectorMetadata):
             return
         for req_id, block_ids in meta.saves.items():
             staged = self._staged_for_step(req_id, block_ids, meta)
-            for layer in range(self.layout.num_layers):
-                if layer not in staged.packed:
-                    self._pack_layer(staged, layer)
-                    if staged.push is not None:
-                        staged.push.packed[layer] = None  # the wait below covers it
-        if meta.saves:
-            wait_for_stream(self.kv_device)
+            missing = [layer for layer in range(self.layout.num_layers) if layer not in staged.packed]
+            for layer in missing:
+                self._pack_layer(staged, layer)
+            staged.packs_done, staged.saved = record_event(self.kv_device), True
+            if staged.push is not None:
+                staged.push.packed.update(dict.fromkeys(missing, staged.packs_done))
         for req_id in meta.saves:
             staged = self._staged[req_id]
-            staged.ready = True
             if staged.push is not None:
                 self._post_packed_layers(req_id, staged)
             self._serve(req_id)
@@ -236,6 +241,8 @@ class ProducerWorker:
 
     def _progress_sends(self) -> None:
         now = time.monotonic()
+        for req_id in list(self._pulls):  # pulls that came before the staged copy was ready
+            self._serve(req_id)
         for req_id in list(self._serving):
             remaining = []
             for transfer, own, pull in self._serving[req_id]:

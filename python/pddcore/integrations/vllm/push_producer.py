@@ -9,8 +9,8 @@ a ``stream_failed`` never overtakes its ``reserve``). From then on every packed 
 is posted at once as one part of a :class:`~pddcore.streaming.LayerStreamSender`; the layers
 packed before the answer go out from whichever runs first of the next ``save_kv_layer``,
 ``wait_for_save`` or the worker's message pump. On a GPU a layer is posted once its pack
-kernel ran (its event completed): each hook posts the layers whose event completed and never
-waits for one, so the forward does not stall on the push; ``wait_for_save`` posts the rest.
+kernel ran (its event completed): each hook and the message pump post the layers whose event
+completed and never wait for one, so the forward does not stall on the push.
 
 The push buffer mirrors the staged copy (layer-major), so each layer keeps its offsets::
 
@@ -31,6 +31,7 @@ import torch
 
 from ...streaming import LayerStreamSender
 from ...transfer import Message, Transfer, TransferError
+from .._device import record_event
 from .shares import PUSH_SHARE, Share
 
 if TYPE_CHECKING:
@@ -91,13 +92,8 @@ class PushProducer:
 
     def _push_packed_layer(self, layer: int, pushing: list[tuple[str, "_Staged"]]) -> None:
         """``save_kv_layer``'s part: notes ``layer`` packed and posts what is ready to go."""
-        on_gpu = self.kv_device.type == "cuda"
         for _, staged in pushing:
-            if on_gpu:
-                event = staged.push.packed[layer] = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.kv_device))
-            else:
-                staged.push.packed[layer] = None
+            staged.push.packed[layer] = record_event(self.kv_device)
         if any(staged.push.awaiting_reservation for _, staged in pushing):
             self._pump()  # a reservation may have come back since the last layer
         for req_id, staged in pushing:
@@ -160,6 +156,7 @@ class PushProducer:
         for req_id, staged in list(self._staged.items()):
             if staged.push is None:
                 continue
+            self._post_packed_layers(req_id, staged)  # layers whose pack finished since
             for target in staged.push.targets:
                 if target.ended or target.stream is None:
                     continue
