@@ -3,14 +3,17 @@
 An engine's scheduler thread has its own GPU current, but an adapter also packs and unpacks
 from other threads (SGLang's message pump, a transfer thread), where the current device is
 GPU 0. Every entry point that touches the pool therefore runs under :func:`on_device`, and
-waits for and records on that device's current stream, never the null stream of another GPU.
+waits for (or records an event on) that device's current stream, never the null stream of
+another GPU.
 
 Example::
 
     with on_device(layout.device):        # torch.cuda.device(cuda:3); nothing on the CPU
         pack(layout, pages, out=buf)
         wait_for_stream(layout.device)     # the pack ran: the engine may read buf
-        done = record_event(layout.device) # or: read buf once done.query() (None: it ran already)
+        pack(layout, more_pages, out=buf2)
+        done = record_event(layout.device)  # without waiting: buf2 is whole once done.query()
+                                            # (None off CUDA: it is whole already)
 """
 
 from __future__ import annotations
