@@ -1,5 +1,6 @@
 """TransferEngine(congestion_control=...): the kernel's TCP congestion control of the data
-connections an engine dials, checked on the live sockets with ss(8)."""
+connections an engine dials, checked on the live sockets with ss(8) and in stats(); "auto"
+on a loopback path (tests/test_transfer_wan.py has it on emulated long and lossy paths)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ CC_TOKEN = b"congestion-test-token-5d2a8f1c7e4b9036"
 pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read the sockets")
 
 
-def data_connection_algorithms(**sender_options) -> list[str]:
-    """The congestion control of each established connection to a receiver the sender wrote to."""
+def data_connection_algorithms(stats: dict | None = None, **sender_options) -> list[str]:
+    """The congestion control of each established connection to a receiver the sender wrote
+    to, as ss(8) reads it; ``stats`` gets the sender's stats() of that peer."""
     with TransferEngine(auth_token=CC_TOKEN) as receiver, \
             TransferEngine(auth_token=CC_TOKEN, streams=3, **sender_options) as sender:
         dst = torch.zeros(1 << 20, dtype=torch.uint8)
@@ -25,6 +27,8 @@ def data_connection_algorithms(**sender_options) -> list[str]:
         src = sender.register(torch.full((1 << 20,), 7, dtype=torch.uint8))
         sender.write(sender.connect(receiver.address), src, 0, region.descriptor(), 0, 1 << 20).wait(timeout=30)
         assert int(dst.eq(7).sum()) == 1 << 20
+        if stats is not None:
+            stats.update(sender.stats()["peers"][receiver.address])
         port = receiver.address.rsplit(":", 1)[1]
         out = subprocess.run(["ss", "-tin", "state", "established", "dport", f"= :{port}"], capture_output=True,
                              text=True, check=True).stdout
@@ -34,18 +38,30 @@ def data_connection_algorithms(**sender_options) -> list[str]:
 @pytest.mark.parametrize("cc", [c for c in ("reno", "bbr", "cubic") if c in available_congestion_controls()])
 def test_data_connections_use_the_chosen_congestion_control(cc):
     # One control connection (the system default) and three data connections with ``cc``.
-    assert data_connection_algorithms(congestion_control=cc).count(cc) >= 3
+    stats = {}
+    assert data_connection_algorithms(stats, congestion_control=cc).count(cc) >= 3
+    assert stats["congestion_control"] == {cc: stats["live_streams"]}, stats
 
 
-def test_the_default_is_bbr_where_the_kernel_offers_it():
+@pytest.mark.skipif("cubic" not in available_congestion_controls(), reason="needs cubic")
+def test_auto_gives_a_loopback_peer_the_short_path_choice():
+    # A loopback path's RTT is microseconds: "auto" (the default) runs cubic on it, whatever
+    # the system default is; stats() and ss(8) both show it on the live connections.
+    with TransferEngine() as engine:
+        assert engine.congestion_control == "auto"
+    stats = {}
+    assert data_connection_algorithms(stats).count("cubic") >= 3
+    assert stats["congestion_control"] == {"cubic": stats["live_streams"]}, stats
+    assert 0 < stats["handshake_rtt_s"] < 0.005 and stats["congestion_switches"] == 0, stats
+
+
+def test_none_keeps_the_system_default():
     with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
         system_default = f.read().strip()
-    offered = "bbr" in available_congestion_controls()
-    with TransferEngine() as engine:
-        assert engine.congestion_control == ("bbr" if offered else None)
-    with TransferEngine(congestion_control=None) as engine:
-        assert engine.congestion_control is None
-    assert data_connection_algorithms().count("bbr" if offered else system_default) >= 3
+    stats = {}
+    assert data_connection_algorithms(stats, congestion_control=None).count(system_default) >= 3
+    assert stats["congestion_control"] == {system_default: stats["live_streams"]}, stats
+    assert "handshake_rtt_s" not in stats, stats
 
 
 def test_unknown_congestion_control_is_refused():

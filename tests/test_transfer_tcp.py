@@ -325,7 +325,7 @@ def test_persistent_corruption_fails_the_transfer(backend, remote, remote_region
 
 
 def test_wrong_or_missing_token_is_refused(backend, remote):
-    for token in (b"wrong-token", None):
+    for token in (b"a-wrong-token-of-full-strength-0f3e9c27", None):
         with TransferEngine(backend, auth_token=token) as intruder:
             with pytest.raises(TransferError, match="authentication failed"):
                 intruder.connect(remote.address)

@@ -1,6 +1,8 @@
 """The TCP transfer engine through the WAN emulator (needs root and /dev/net/tun): data
 verified across a real bottleneck and RTT, stats() reporting that RTT and the path's rate
-under a streaming sender, and the engine pacing itself to the path (queue_delay_target_s)."""
+under a streaming sender, the engine pacing itself to the path (queue_delay_target_s), and
+congestion_control="auto" choosing from the path: bbr on a long one, cubic on a short
+clean one, bbr once a short one loses packets."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import pytest
 
 from pddcore.benchmarks.transfer_cases import read_info, write_info, desc_address
 from pddcore.testing.wan import WanLink, unavailable_reason
+from pddcore.transfer import available_congestion_controls
 
-WAN_TOKEN = b"wan-test-token-9b4e7a2d5c1f8063"
+WAN_TOKEN = b"wan-test-token-9b4e7a2d5c1f80634e6a"
 
 _REASON = unavailable_reason()
 pytestmark = [pytest.mark.root, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -38,14 +41,17 @@ def _sink(listen: str, info_path: str, nbytes: int = NBYTES, writes: int = 1) ->
         return hashlib.sha256(buf).hexdigest()
 
 
-def _source(info_path: str, nbytes: int = NBYTES, queue_delay_target_s: float | None = None) -> tuple[str, dict]:
+def _source(info_path: str, nbytes: int = NBYTES, queue_delay_target_s: float | None = None,
+            congestion_control: str = "cubic") -> tuple[str, dict]:
+    """Writes ``nbytes`` as 64 KiB pages in reverse order; the data's hash as the sink must
+    see it, and the sender's stats of the peer as the write ended. The default, cubic: a
+    loss-based sender fills the bottleneck queue, which is what the delay pacer exists to
+    drain (bbr keeps that queue short by itself)."""
     from pddcore.transfer import TransferEngine
 
     desc = bytes.fromhex(read_info(info_path))
     data = os.urandom(nbytes)
-    # cubic: a loss-based sender fills the bottleneck queue, which is what the delay pacer
-    # exists to drain (bbr, the default where offered, keeps that queue short by itself).
-    with TransferEngine(auth_token=WAN_TOKEN, streams=4, chunk_bytes=64 << 10, congestion_control="cubic",
+    with TransferEngine(auth_token=WAN_TOKEN, streams=4, chunk_bytes=64 << 10, congestion_control=congestion_control,
                         queue_delay_target_s=queue_delay_target_s) as engine:
         region = engine.register(bytearray(data))
         peer = engine.connect(desc_address(desc))
@@ -115,3 +121,24 @@ def test_streaming_sender_path_limited_rate_reads_the_link():
         sink.result(60)
     path_bps = 8 * stats["path_limited_bytes"] / stats["path_limited_seconds"]
     assert stats["throughput_bps"] < path_bps <= 1.05 * line_bps, stats
+
+
+@pytest.mark.skipif(not {"cubic", "bbr"} <= set(available_congestion_controls()), reason="needs cubic and bbr")
+@pytest.mark.parametrize("delay_ms, loss, algorithm, switches", [
+    (10, 0.0, "bbr", 0),     # 20 ms RTT: a long path from the handshake on
+    (1, 0.0, "cubic", 0),    # 2 ms RTT, clean: a short path
+    (1, 0.03, "bbr", 1),     # 2 ms RTT, 3 % of packets lost: cubic at first, bbr once it loses them
+], ids=["long", "short", "short-lossy"])
+def test_auto_congestion_control_follows_the_path(delay_ms, loss, algorithm, switches):
+    with WanLink(rate="1gbit", delay_ms=delay_ms, loss=loss, seed=1) as link, \
+            tempfile.TemporaryDirectory() as tmp:
+        info = os.path.join(tmp, "sink")
+        sink = link.b.spawn(_sink, f"{link.b.address}:9400", info, 2 * NBYTES)
+        expected, stats = link.a.call(_source, info, 2 * NBYTES, None, "auto", timeout=120)
+        assert sink.result(60) == expected
+    live = stats["live_streams"]
+    assert live >= 1 and stats["congestion_control"] == {algorithm: live}, stats
+    # The RTT the choice read is the path's, on the side of the 5 ms line its delay puts it.
+    rtt_s = stats["handshake_rtt_s"]
+    assert rtt_s >= 0.9 * 2 * delay_ms / 1000 and (rtt_s < 0.005) == (2 * delay_ms < 5), stats
+    assert (stats["congestion_switches"] >= 1) == (switches > 0), stats

@@ -91,6 +91,13 @@ void Socket::set_congestion_control(const std::string& name) const {
                                 " (see /proc/sys/net/ipv4/tcp_available_congestion_control)");
 }
 
+std::string Socket::congestion_control() const {
+  char name[16] = {};  // the kernel's TCP_CA_NAME_MAX
+  socklen_t len = sizeof(name);
+  if (getsockopt(fd_, IPPROTO_TCP, TCP_CONGESTION, name, &len) != 0) return "";
+  return std::string(name, strnlen(name, len));
+}
+
 void Socket::set_nodelay() const {
   const int one = 1;
   setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));

@@ -36,6 +36,8 @@ class Socket {
   // TCP_CONGESTION: the kernel's congestion control for this connection ("cubic", "bbr", ...);
   // throws std::invalid_argument when the kernel does not offer it.
   void set_congestion_control(const std::string& name) const;
+  // The congestion control this connection runs now ("" where the kernel does not say).
+  std::string congestion_control() const;
   // From now on every byte goes through this TLS session (see tls.h).
   void attach_tls(std::unique_ptr<TlsChannel> channel);
   bool encrypted() const { return tls_ != nullptr; }

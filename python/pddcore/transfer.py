@@ -113,6 +113,15 @@ class RegionDescriptor:
         return cls(data[_DESCRIPTOR.size:].decode(), engine_id, region_id, size)
 
 
+def _fold_congestion_control(peer: dict) -> dict:
+    """The core counts live data connections per algorithm as ``"congestion_control:<name>"``
+    (its stats are name -> float); stats() shows them as one ``{name: count}`` entry."""
+    out = {k: v for k, v in peer.items() if not k.startswith("congestion_control:")}
+    out["congestion_control"] = {k.split(":", 1)[1]: v for k, v in peer.items()
+                                 if k.startswith("congestion_control:")}
+    return out
+
+
 def available_congestion_controls() -> list[str]:
     """The TCP congestion controls this kernel offers (``TransferEngine(congestion_control=...)``)."""
     try:
@@ -330,9 +339,14 @@ class TransferEngine:
         congestion_control: the kernel's TCP congestion control for the data connections this
             engine dials (``"cubic"``, ``"bbr"``, ...; see :func:`available_congestion_controls`);
             None: the system default. It governs how a lossy, long path is filled. The default,
-            ``"auto"``, takes ``"bbr"`` where the kernel offers it (else the system default):
-            on a long path with random loss BBR keeps the link full where loss-based cubic
-            backs off at every drop (``pddcore bench --cases loss`` measures both).
+            ``"auto"``, chooses per data connection from what its path shows: once its
+            handshake is done, a minimum RTT below 5 ms (loopback, one datacenter) gets
+            cubic, a longer one bbr (it keeps a long path full through random loss, where
+            loss-based cubic backs off at every drop); a cubic connection that then
+            retransmits 1 % of its segments (from 2000 on) switches the peer's connections
+            to bbr for good. An algorithm the kernel does not offer leaves the system
+            default. ``stats()["peers"]`` shows the choice; ``pddcore bench --cases loss``,
+            ``wan10g`` and ``transfer`` measure it against cubic and bbr chosen by hand.
         idle_timeout_s: a data connection that carries nothing this long is closed here
             (``stats()["connections_idled"]``); a sender dials again when it has chunks.
         rate_limit_bps: pace all outgoing data below this many bits per second (None: no limit).
@@ -373,9 +387,7 @@ class TransferEngine:
             raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
                              "without one anybody who reaches the port can write into its target regions. Pass "
                              "auth_token=..., or insecure=True on a network you trust")
-        if congestion_control == "auto":
-            congestion_control = "bbr" if "bbr" in available_congestion_controls() else None
-        if congestion_control is not None and congestion_control not in available_congestion_controls():
+        if congestion_control not in (None, "auto") and congestion_control not in available_congestion_controls():
             raise ValueError(f"congestion_control {congestion_control!r} is not offered by this kernel; "
                              f"available: {', '.join(available_congestion_controls())}")
         if not idle_timeout_s > 0:
@@ -406,7 +418,7 @@ class TransferEngine:
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)
         #: The TCP congestion control of the data connections this engine dials (None: the
-        #: system default), after ``"auto"`` was resolved.
+        #: system default; ``"auto"``: chosen per connection, see ``stats()``).
         self.congestion_control = congestion_control
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -579,6 +591,12 @@ class TransferEngine:
             tcp peers: ``live_streams``, the data connections open now; ``cwnd_bytes``, their
             congestion windows summed (what the path lets the engine keep in flight);
             ``tcp_retransmits``, segments they sent again (TCP_INFO);
+            ``congestion_control``, ``{algorithm: live data connections running it}``
+            read back from the sockets (the one value that is not a float); with
+            ``congestion_control="auto"`` also ``handshake_rtt_s``, the lowest minimum RTT
+            the live connections measured by the end of their handshake (what each chose
+            its algorithm from), and ``congestion_switches``, connections switched to bbr
+            on loss;
             ``path_limited_bytes`` / ``path_limited_seconds``, the kernel's delivery-rate
             samples integrated over the time the path, not this sender, set the pace: their
             ratio is the path's rate (bytes/s) and what the router's bandwidth estimate reads,
@@ -590,7 +608,7 @@ class TransferEngine:
             ``queue_delay_s``, the data connections' smoothed RTT above the path's minimum.
         """
         out: dict = dict(self._core.totals())
-        out["peers"] = {addr: dict(s) for addr, s in self._core.peer_stats().items()}
+        out["peers"] = {addr: _fold_congestion_control(s) for addr, s in self._core.peer_stats().items()}
         return out
 
     # -- test hooks ------------------------------------------------------------------------

@@ -31,6 +31,8 @@ struct PathSample {
   uint64_t bytes_acked = 0;  // acknowledged so far on this connection (it may restart at 0)
   uint64_t cwnd_bytes = 0;   // congestion window: segments x segment size
   uint64_t retransmits = 0;  // segments sent again, over the connection's life
+  uint64_t segments_sent = 0;  // segments sent, retransmits included, over the connection's life
+  bool past_slow_start = false;  // the initial slow start ended (a loss or HyStart)
   double delivery_rate_Bps = 0;       // the kernel's latest delivery-rate sample (one ack's worth)
   bool delivery_app_limited = true;   // that sample was taken while the sender had nothing to send
 };

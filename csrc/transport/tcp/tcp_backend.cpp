@@ -9,6 +9,7 @@
 #include <set>
 
 #include "../peer_links.h"
+#include "congestion_choice.h"
 #include "path_sample.h"
 #include "pddcore/crc32c.h"
 
@@ -80,7 +81,9 @@ class ReceiveGuard {
 }  // namespace
 
 TcpBackend::TcpBackend(BackendHost& host)
-    : host_(host), window_bytes_(std::max<uint64_t>(kMinWindowBytes, 4ull * host.options().chunk_bytes)) {}
+    : host_(host),
+      window_bytes_(std::max<uint64_t>(kMinWindowBytes, 4ull * host.options().chunk_bytes)),
+      auto_congestion_(host.options().congestion_control == "auto") {}
 
 TcpBackend::~TcpBackend() { close(); }
 
@@ -180,6 +183,7 @@ void TcpBackend::run_stream(const LinkPtr& link, Stream& stream) {
       // Acks have no deadline of their own: the core's watchdog judges progress.
       socket.set_timeouts(0, host_.options().timeout_s);
       socket.set_nodelay();
+      if (auto_congestion_) choose_congestion_control(*link, stream, socket);
       progressed = run_session(*link, stream, socket);
     } catch (const std::exception& e) {
       why = e.what();
@@ -285,13 +289,54 @@ void TcpBackend::observe_path(Link& link) {
     std::lock_guard<std::mutex> lock(link.mutex);  // keeps each live socket open
     for (const auto& stream : link.streams)
       if (stream->socket)
-        if (const std::optional<PathSample> sample = read_path_sample(stream->socket->fd()))
+        if (const std::optional<PathSample> sample = read_path_sample(stream->socket->fd())) {
           samples.emplace_back(stream->index, *sample);
+          if (auto_congestion_) switch_on_loss(link, *sample, *stream);
+        }
   }
   std::lock_guard<std::mutex> lock(link.path_mutex);
   link.delivery.observe(samples, now);
   if (link.pacer)
     for (const auto& [index, sample] : samples) link.pacer->observe(index, sample, now);
+}
+
+// Where the kernel does not offer the chosen algorithm, the connection keeps the kernel's.
+static const char* apply_congestion_control(const Socket& socket, const char* algorithm) {
+  try {
+    socket.set_congestion_control(algorithm);
+    return algorithm;
+  } catch (const std::invalid_argument&) {
+    return nullptr;
+  }
+}
+
+void TcpBackend::choose_congestion_control(Link& link, Stream& stream, const Socket& socket) {
+  const std::optional<PathSample> sample = read_path_sample(socket.fd());
+  const double rtt_s = sample ? sample->min_rtt_s : 0;
+  std::lock_guard<std::mutex> lock(link.mutex);  // a switch on loss sees either none or the choice
+  stream.handshake_rtt_s = rtt_s;
+  stream.loss_baseline.reset();
+  stream.algorithm = apply_congestion_control(
+      socket, link.lossy ? CongestionRule::kLossyPath : CongestionRule::after_handshake(rtt_s));
+}
+
+void TcpBackend::switch_on_loss(Link& link, const PathSample& sample, Stream& stream) {
+  if (link.lossy || stream.algorithm == nullptr || std::strcmp(stream.algorithm, CongestionRule::kLossyPath) == 0)
+    return;
+  // Counting restarts whenever the drops may be cubic's own (congestion_choice.h).
+  if (!sample.past_slow_start || CongestionRule::queued(sample.srtt_s, sample.min_rtt_s) || !stream.loss_baseline) {
+    stream.loss_baseline.emplace(sample.segments_sent, sample.retransmits);
+    return;
+  }
+  const auto [segments, retransmits] = *stream.loss_baseline;
+  if (!CongestionRule::lossy(sample.segments_sent - segments, sample.retransmits - retransmits)) return;
+  link.lossy = true;
+  for (const auto& other : link.streams)
+    if (other->socket && other->algorithm != nullptr && std::strcmp(other->algorithm, CongestionRule::kLossyPath) != 0)
+      if (const char* algorithm = apply_congestion_control(*other->socket, CongestionRule::kLossyPath)) {
+        other->algorithm = algorithm;
+        ++link.congestion_switches;
+      }
 }
 
 uint64_t TcpBackend::batch_limit(Link& link) {
@@ -544,7 +589,14 @@ void TcpBackend::add_peer_stats(uint64_t peer_key, std::map<std::string, double>
           stats["cwnd_bytes"] += static_cast<double>(sample->cwnd_bytes);
           stats["tcp_retransmits"] += static_cast<double>(sample->retransmits);
           stats["live_streams"] += 1;
+          // Read back from the socket: what runs, whoever chose it.
+          stats["congestion_control:" + stream->socket->congestion_control()] += 1;
+          if (auto_congestion_) {  // the lowest: a handshake that lost a packet may read high
+            double& rtt_s = stats["handshake_rtt_s"];
+            rtt_s = rtt_s > 0 ? std::min(rtt_s, stream->handshake_rtt_s) : stream->handshake_rtt_s;
+          }
         }
+    if (auto_congestion_) stats["congestion_switches"] += link->congestion_switches;
   }
   std::lock_guard<std::mutex> lock(link->path_mutex);
   stats["path_limited_bytes"] += link->delivery.bytes();

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "../socket.h"
@@ -52,6 +53,12 @@ class TcpBackend final : public TransferBackend {
     std::map<uint64_t, WriteChunk> inflight;  // sent, not yet acknowledged, by sequence number
     uint64_t inflight_bytes = 0;
     uint64_t next_seq = 1;
+    // congestion_control="auto": what this connection's handshake measured, and the
+    // algorithm chosen from it (or on loss).
+    double handshake_rtt_s = 0;
+    const char* algorithm = nullptr;
+    // Segments sent and retransmitted when loss began to count (congestion_choice.h).
+    std::optional<std::pair<uint64_t, uint64_t>> loss_baseline;
   };
   struct Link {
     PeerInfo peer;
@@ -62,6 +69,8 @@ class TcpBackend final : public TransferBackend {
     uint32_t live_streams = 0;
     bool stopping = false;
     std::string dead_reason;  // set once every stream gave up
+    bool lossy = false;               // "auto": a connection saw loss; every connection runs bbr
+    uint32_t congestion_switches = 0;  // "auto": live connections switched to bbr on loss
     // What the kernel measures on the streams, read together (the three under path_mutex):
     // with queue_delay_target_s a pacer paces this peer's bulk data to the path; the
     // meter measures the path's rate for stats().
@@ -91,6 +100,11 @@ class TcpBackend final : public TransferBackend {
   // Feeds the link's meter (and pacer) what the kernel measured on every stream, all at one
   // moment (at most once a millisecond; called as batches leave and as acks arrive).
   void observe_path(Link& link);
+  // congestion_control="auto": sets a freshly dialled connection's algorithm from its
+  // handshake's RTT (or the link's loss); see congestion_choice.h.
+  void choose_congestion_control(Link& link, Stream& stream, const Socket& socket);
+  // "auto", under link.mutex: on a cubic connection's retransmits, switches the link to bbr.
+  void switch_on_loss(Link& link, const PathSample& sample, Stream& stream);
   // Bytes one batch may carry: fewer while the link's pacer paces.
   uint64_t batch_limit(Link& link);
   // Waits as long as the link's pacer says before `bytes` may leave (no-op without a pacer).
@@ -104,6 +118,7 @@ class TcpBackend final : public TransferBackend {
 
   BackendHost& host_;
   const uint64_t window_bytes_;
+  const bool auto_congestion_;  // congestion_control="auto"
   std::mutex mutex_;
   std::map<uint64_t, LinkPtr> links_;
   bool closed_ = false;

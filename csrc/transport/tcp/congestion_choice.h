@@ -1,0 +1,53 @@
+// congestion_control="auto": which TCP congestion control a data connection runs, chosen
+// from what its own path shows (docs/transfer.md, "Congestion control"):
+//
+//  1. After the handshake, the connection's minimum RTT (TCP_INFO, several round trips in):
+//     below kLongPathRttS the path is short (loopback, one datacenter) and the connection
+//     runs cubic: there bbr's pacing and probing cost throughput (0.55-0.64x cubic's on
+//     loopback). From kLongPathRttS on the path is long and it runs bbr, which keeps the
+//     pipe full where loss-based cubic backs off at every drop (1 Gbit/s, 50 ms RTT,
+//     0.1 % loss: 0.61x line rate with cubic, 0.91x with bbr) and is level with it on a
+//     clean long path.
+//  2. As it runs, a cubic connection whose retransmits reach kLossyShare of the segments
+//     it sent (once it sent kMinSegments) while no queue stood on its path is on a lossy
+//     path: it, the peer's other connections and every later one switch to bbr. Drops
+//     where a queue stands (see queued()) and during the initial slow start, whose end
+//     overfills the bottleneck's queue, are cubic's own: it fills every queue until it
+//     overflows (on an emulated 1 Gbit/s, 2 ms path with a 10 ms queue, 4 cubic
+//     connections retransmit 15 % of their segments), so they are not counted. Never
+//     back: bbr's own retransmits (it probes the queue) say nothing about the path either.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace pddcore::transfer::tcp {
+
+struct CongestionRule {
+  static constexpr double kLongPathRttS = 0.005;
+  static constexpr double kLossyShare = 0.01;
+  static constexpr uint64_t kMinSegments = 1000;
+  static constexpr double kMinQueueS = 0.001;
+  static constexpr const char* kShortPath = "cubic";
+  static constexpr const char* kLongPath = "bbr";
+  static constexpr const char* kLossyPath = "bbr";
+
+  // The algorithm a connection starts with, from its minimum RTT after the handshake
+  // (0 or less: the kernel measured none, taken as short).
+  static const char* after_handshake(double min_rtt_s) {
+    return min_rtt_s >= kLongPathRttS ? kLongPath : kShortPath;
+  }
+  // Whether a queue stands on the connection's path, so its drops may be its own: the
+  // smoothed RTT is above the minimum by as much again, and by kMinQueueS at least (on a
+  // short path a busy host's scheduling alone adds a fraction of a millisecond).
+  static bool queued(double srtt_s, double min_rtt_s) {
+    return srtt_s - min_rtt_s >= std::max(min_rtt_s, kMinQueueS);
+  }
+  // Whether a connection that sent `segments`, `retransmits` of them again, all past slow
+  // start and with no queue standing, shows a lossy path.
+  static bool lossy(uint64_t segments, uint64_t retransmits) {
+    return segments >= kMinSegments && static_cast<double>(retransmits) >= kLossyShare * static_cast<double>(segments);
+  }
+};
+
+}  // namespace pddcore::transfer::tcp
