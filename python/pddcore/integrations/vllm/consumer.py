@@ -24,7 +24,7 @@ import torch
 
 from ...pack import unpack
 from ...transfer import Message
-from .._device import on_kv_device, wait_for_stream
+from .._device import on_kv_device, record_event
 from .._heads import head_slices
 from .._messages import MalformedMessage
 from .._staging import StagingBuffer
@@ -68,6 +68,8 @@ class ConsumerWorker:
     def _init_consumer(self) -> None:
         self._pending_loads: dict[str, _PendingLoad] = {}
         self._load_errors: set[int] = set()
+        # Loads reported finished whose unpack may still run: (event after it, load, scratch buffer).
+        self._unpacking: list[tuple[Any, _PendingLoad, StagingBuffer | None]] = []
 
     @on_kv_device
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -216,16 +218,32 @@ class ConsumerWorker:
         self._finished_recving.add(req_id)
 
     def _finish_load(self, pending: _PendingLoad) -> None:
+        """Queues the unpack and reports the load finished without waiting for it: the forward
+        that reads the blocks is queued after it on the same stream. The buffers it reads go
+        back once an event after it completed (:meth:`_release_unpacked`)."""
+        scratch = None
         if pending.pushed is not None:
-            self._unpack_pushed(pending)
+            scratch = self._unpack_pushed(pending)
         else:
             staging = pending.staging.tensor
             for seg in pending.segments:
                 unpack(self.layout, pending.pages, staging[seg.offset:seg.offset + seg.nbytes], heads=seg.dst_heads)
-        wait_for_stream(self.kv_device)
-        self._release_staging(pending)
         del self._pending_loads[pending.req_id]
         self._finished_recving.add(pending.req_id)
+        self._unpacking.append((record_event(self.kv_device), pending, scratch))
+        self._release_unpacked()
+
+    def _release_unpacked(self) -> None:
+        """Returns the staging of every load whose unpack ran."""
+        running = []
+        for done, pending, scratch in self._unpacking:
+            if done is not None and not done.query():
+                running.append((done, pending, scratch))
+                continue
+            self._release_staging(pending)
+            if scratch is not None:
+                self.staging.release(scratch)
+        self._unpacking = running
 
     def _release_staging(self, pending: _PendingLoad) -> None:
         if pending.staging is not None:

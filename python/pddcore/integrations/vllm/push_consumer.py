@@ -173,11 +173,13 @@ class PushConsumer:
         if reservation.complete:
             self._finish_load(pending)
 
-    def _unpack_pushed(self, pending: "_PendingLoad") -> None:
+    def _unpack_pushed(self, pending: "_PendingLoad") -> StagingBuffer | None:
+        """Queues the unpack of a pushed load; returns the scratch buffer it reads, if any,
+        which goes back to the pool once the unpack ran."""
         reservation, pushed = self._reservations[pending.pushed.stream], pending.pushed
         if pushed.skip_pages == 0 and pushed.total_pages == len(pending.pages):
             unpack(self.layout, pending.pages, reservation.buffer.tensor)
-            return
+            return None
         # Only some pages of every layer: gather them through a layout over the push buffer.
         part = self.staging.acquire(self.layout.packed_nbytes(len(pending.pages)))
         try:
@@ -185,8 +187,10 @@ class PushConsumer:
                                       self.staging.buffer_device)
             pack(view, torch.arange(pushed.skip_pages, pushed.skip_pages + len(pending.pages)), out=part.tensor)
             unpack(self.layout, pending.pages, part.tensor)
-        finally:
+        except Exception:
             self.staging.release(part)
+            raise
+        return part
 
     def _free_reservation(self, stream: StreamId) -> None:
         reservation = self._reservations.pop(stream, None)

@@ -134,6 +134,7 @@ class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
         self._progress_pushes()
         self._progress_sends()
         self._expire_loads()
+        self._release_unpacked()
         self._expire_reservations()
         # Nothing in finished_sending: a producer's blocks went back when its request finished.
         results = KVConnectorTransferResults(set(), self._finished_recving, self._failed_recving)
