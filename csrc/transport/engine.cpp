@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "device_memory.h"
+#include "tcp/congestion_choice.h"
 
 namespace pddcore::transfer {
 namespace {
@@ -156,8 +157,11 @@ Socket Engine::dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) {
   if (closing_) throw TransferError("engine is closed");
   // Data connections run the chosen congestion control; control connections the kernel's.
   // "auto" is chosen per data connection once its handshake measured the path (tcp backend).
-  const bool fixed = kind == wire::ConnKind::kData && options_.congestion_control != "auto";
-  Socket s = dial_tcp(parse_address(peer.address), options_.timeout_s, fixed ? options_.congestion_control : "");
+  std::string congestion_control;
+  if (kind == wire::ConnKind::kData)
+    congestion_control = options_.congestion_control == "auto" ? tcp::CongestionRule::kBeforeHandshake
+                                                               : options_.congestion_control;
+  Socket s = dial_tcp(parse_address(peer.address), options_.timeout_s, congestion_control);
   if (tls_) tls_->secure_client(s, options_.timeout_s);
   const uint64_t id = dial_handshake(s, handshake_, kind, stream);
   if (id != peer.engine_id) throw TransferError("engine at " + peer.address + " was replaced (its engine id changed)");

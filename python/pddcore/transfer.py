@@ -344,8 +344,8 @@ class TransferEngine:
             cubic, a longer one bbr (it keeps a long path full through random loss, where
             loss-based cubic backs off at every drop); a cubic connection that then
             retransmits 1 % of its segments (from 2000 on) switches the peer's connections
-            to bbr for good. An algorithm the kernel does not offer leaves the system
-            default. ``stats()["peers"]`` shows the choice; ``pddcore bench --cases loss``,
+            to bbr for good. A kernel without cubic gets the system default, one without
+            bbr keeps cubic. ``stats()["peers"]`` shows the choice; ``pddcore bench --cases loss``,
             ``wan10g`` and ``transfer`` measure it against cubic and bbr chosen by hand.
         idle_timeout_s: a data connection that carries nothing this long is closed here
             (``stats()["connections_idled"]``); a sender dials again when it has chunks.
@@ -387,6 +387,8 @@ class TransferEngine:
             raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
                              "without one anybody who reaches the port can write into its target regions. Pass "
                              "auth_token=..., or insecure=True on a network you trust")
+        if congestion_control == "auto" and "cubic" not in available_congestion_controls():
+            congestion_control = None  # "auto" dials with cubic (see below); without it, the system default
         if congestion_control not in (None, "auto") and congestion_control not in available_congestion_controls():
             raise ValueError(f"congestion_control {congestion_control!r} is not offered by this kernel; "
                              f"available: {', '.join(available_congestion_controls())}")
