@@ -23,6 +23,7 @@ import logging
 import threading
 from typing import Any, Sequence
 
+from .peer_cache import PeerCache
 from .transfer import Peer, Region, RegionDescriptor, TransferEngine, TransferError
 
 __all__ = ["MooncakeCompatEngine"]
@@ -61,7 +62,8 @@ class MooncakeCompatEngine:
         self.ib_device = ib_device
         self._lock = threading.Lock()
         self._local: dict[int, Region] = {}
-        self._peers: dict[str, Peer] = {}
+        self._peers = PeerCache(self.engine)
+        self._connections: dict[str, Peer] = {}  # the connection each session's region index was read over
         self._remote: dict[str, _RangeIndex] = {}
 
     def get_session_id(self) -> str:
@@ -140,12 +142,10 @@ class MooncakeCompatEngine:
         return 0
 
     def _peer(self, session_id: str) -> Peer:
+        peer = self._peers.get(session_id)
         with self._lock:
-            peer = self._peers.get(session_id)
-        if peer is None or not peer.connected:
-            peer = self.engine.connect(session_id)
-            with self._lock:
-                self._peers[session_id] = peer
+            if self._connections.get(session_id) is not peer:  # a new connection: its regions may differ
+                self._connections[session_id] = peer
                 self._remote.pop(session_id, None)
         return peer
 

@@ -12,9 +12,9 @@ Example::
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
+from ..peer_cache import PeerCache
 from ..transfer import Message, Peer, TransferEngine
 from ._messages import MessageCodec
 
@@ -26,14 +26,10 @@ class Peers:
 
     def __init__(self, engine: TransferEngine, codec: MessageCodec, log: logging.Logger):
         self.engine, self.codec, self.log = engine, codec, log
-        self._peers: dict[str, Peer] = {}
-        self._lock = threading.Lock()
+        self._peers = PeerCache(engine)
 
     def connect(self, address: str) -> Peer:
-        with self._lock:
-            if address not in self._peers or not self._peers[address].connected:
-                self._peers[address] = self.engine.connect(address)
-            return self._peers[address]
+        return self._peers.get(address)
 
     def send(self, address: str, kind: str, **fields: Any) -> None:
         """Sends one control message; a failure is logged only, since the peer's own
