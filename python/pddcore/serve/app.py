@@ -25,6 +25,10 @@ from .upstream import UpstreamError
 
 __all__ = ["GatewayApp"]
 
+# Streamed text is detokenized (a call to an engine) at most this often; the token ids of
+# every chunk go out at once regardless. 20 updates a second read as continuous.
+TEXT_EVERY_S = 0.05
+
 
 class GatewayApp:
     def __init__(self, gateway: Gateway, *, model_name: str | None = None):
@@ -63,7 +67,7 @@ class GatewayApp:
             return _error(getattr(e, "status", None) or 502, str(e))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         model = req.model or self.model_name or "pddcore"
-        text = TextStream(self._detokenize)
+        text = TextStream(self._detokenize, every_s=TEXT_EVERY_S)
         async with aclosing(self.gateway.generate(prompt, req.sampling(), rid=rid)) as chunks:
             try:
                 first = await anext(chunks, None)

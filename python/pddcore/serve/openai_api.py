@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
@@ -200,17 +201,21 @@ def sse(body: dict | str) -> bytes:
 class TextStream:
     """Text deltas of a growing completion. ``decode`` maps all ids so far to text; a
     trailing U+FFFD (half a UTF-8 character) is held back until it completes or the
-    completion ends."""
+    completion ends. ``every_s``: decode at most this often (a decode may be a call to an
+    engine); ids added meanwhile come with the next delta, and the final one has them all."""
 
-    def __init__(self, decode: Callable[[list[int]], Awaitable[str]]):
-        self.decode = decode
+    def __init__(self, decode: Callable[[list[int]], Awaitable[str]], every_s: float = 0.0):
+        self.decode, self.every_s = decode, every_s
         self.ids: list[int] = []
         self.sent = ""
+        self._decoded_at = -math.inf
 
     async def add(self, new_ids: Sequence[int], *, final: bool = False) -> str:
         self.ids.extend(new_ids)
-        if not self.ids:
+        now = time.monotonic()
+        if not self.ids or (not final and now - self._decoded_at < self.every_s):
             return ""
+        self._decoded_at = now
         text = await self.decode(self.ids)
         if not final and text.endswith("\ufffd"):
             text = text.rstrip("\ufffd")
