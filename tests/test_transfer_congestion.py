@@ -80,3 +80,16 @@ def test_peer_stats_show_the_data_connections_window():
         assert 1 <= link["live_streams"] <= 3
         # At least one full-sized segment per live connection: windows TCP_INFO really reported.
         assert link["cwnd_bytes"] >= link["live_streams"] * 1000 and link["tcp_retransmits"] >= 0
+
+
+@pytest.mark.skipif(not {"cubic", "bbr"} <= set(available_congestion_controls()), reason="needs cubic and bbr")
+def test_bench_compares_auto_with_both_by_hand_on_loopback():
+    from pddcore.benchmarks.transfer_cases import congestion_loopback
+
+    comparisons = congestion_loopback(4 << 20, rounds=1, chunk_sizes=(64 << 10,), streams=2)
+    assert [c.path for c in comparisons] == ["loopback, 2 streams, 64 KiB chunks"]
+    c = comparisons[0]
+    assert c.auto_running == {"cubic": 2.0} and c.rounds == 1
+    assert min(c.auto_gbps, c.cubic_gbps, c.bbr_gbps) > 0
+    assert c.better_gbps == max(c.cubic_gbps, c.bbr_gbps) and c.ratio == c.auto_gbps / c.better_gbps
+    assert c.as_dict()["better"] in ("cubic", "bbr")

@@ -5,6 +5,9 @@
   connections; the baseline is a plain-socket ``sendall`` / ``recv_into`` loop between two
   processes moving the same bytes over the same number of connections, in pieces of the
   same size. Engine and raw rounds alternate; best of ``rounds`` for each; ratio = engine / raw.
+- Congestion control on loopback: the same writes from engines whose data connections run
+  ``"auto"``, cubic and bbr, interleaved round by round; the median round of each
+  (:class:`~pddcore.benchmarks.loss_cases.AutoComparison`).
 - WAN (root): through :class:`~pddcore.testing.wan.WanLink` at a given rate and RTT, the
   engine writes ``nbytes`` as ``piece_bytes`` pieces scattered over the destination (KV
   pages: nothing coalesces); ratio = goodput / line rate. Then priority-lane one-way
@@ -196,6 +199,56 @@ def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 4, chunk_sizes=CHUNK_
                 if p.is_alive():
                     p.kill()
     return results
+
+
+def congestion_loopback(nbytes: int = 256 << 20, rounds: int = 5, chunk_sizes=(64 << 10, 1 << 20),
+                        streams: int = 4) -> list:
+    """"auto" against cubic and bbr chosen by hand, one write of ``nbytes`` per round from
+    each, to an engine in another process over loopback."""
+    import torch
+
+    from pddcore.transfer import TransferEngine
+
+    from .loss_cases import CONGESTION_CONTROLS, AutoComparison
+
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    comparisons = []
+    with tempfile.TemporaryDirectory() as tmp:
+        info = os.path.join(tmp, "engine")
+        sink = mp.get_context("spawn").Process(target=engine_sink, args=("127.0.0.1:0", nbytes, info), daemon=True)
+        sink.start()
+        try:
+            desc = bytes.fromhex(read_info(info))
+            for chunk in chunk_sizes:
+                engines = {cc: TransferEngine(streams=streams, chunk_bytes=chunk, auth_token=bench_token(),
+                                              congestion_control=cc) for cc in CONGESTION_CONTROLS}
+                try:
+                    peers = {cc: e.connect(desc_address(desc)) for cc, e in engines.items()}
+                    sources = {cc: e.register(data) for cc, e in engines.items()}
+                    gbps: dict[str, list[float]] = {cc: [] for cc in engines}
+                    # The first round opens the connections and is not counted; each round
+                    # starts one engine later, so none always follows the same one.
+                    for r in range(rounds + 1):
+                        for cc in (CONGESTION_CONTROLS[(r + i) % len(engines)] for i in range(len(engines))):
+                            engine = engines[cc]
+                            start = time.perf_counter()
+                            engine.write(peers[cc], sources[cc], 0, desc, 0, nbytes).wait()
+                            if r > 0:
+                                gbps[cc].append(nbytes * 8 / (time.perf_counter() - start) / 1e9)
+                    running = engines["auto"].stats()["peers"][peers["auto"].address]["congestion_control"]
+                    if chunk == chunk_sizes[-1]:
+                        engines["auto"].send(peers["auto"], b"exit")
+                finally:
+                    for engine in engines.values():
+                        engine.close()
+                comparisons.append(AutoComparison(f"loopback, {streams} streams, {chunk >> 10} KiB chunks",
+                                                  *(statistics.median(gbps[cc]) for cc in CONGESTION_CONTROLS),
+                                                  running, rounds))
+        finally:
+            sink.join(30)
+            if sink.is_alive():
+                sink.kill()
+    return comparisons
 
 
 def desc_address(descriptor: bytes) -> str:
