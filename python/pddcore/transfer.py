@@ -342,9 +342,9 @@ class TransferEngine:
             ``"auto"``, chooses per data connection from what its path shows: once its
             handshake is done, a minimum RTT below 5 ms (loopback, one datacenter) gets
             cubic, a longer one bbr (it keeps a long path full through random loss, where
-            loss-based cubic backs off at every drop); a cubic connection that then
-            retransmits 1 % of its segments (from 2000 on) switches the peer's connections
-            to bbr for good. A kernel without cubic gets the system default, one without
+            loss-based cubic backs off at every drop); a cubic connection on a path of
+            1 ms or more that then retransmits 1 % of its segments (from 1000 on, past slow
+            start, with no queue standing) switches the peer's connections to bbr for good. A kernel without cubic gets the system default, one without
             bbr keeps cubic. ``stats()["peers"]`` shows the choice; ``pddcore bench --cases loss``,
             ``wan10g`` and ``transfer`` measure it against cubic and bbr chosen by hand.
         idle_timeout_s: a data connection that carries nothing this long is closed here

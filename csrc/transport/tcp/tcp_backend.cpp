@@ -329,7 +329,8 @@ void TcpBackend::switch_on_loss(Link& link, const PathSample& sample, Stream& st
     return;
   }
   const auto [segments, retransmits] = *stream.loss_baseline;
-  if (!CongestionRule::lossy(sample.segments_sent - segments, sample.retransmits - retransmits)) return;
+  if (!CongestionRule::lossy(sample.min_rtt_s, sample.segments_sent - segments, sample.retransmits - retransmits))
+    return;
   link.lossy = true;
   for (const auto& other : link.streams)
     if (other->socket && other->algorithm != nullptr && std::strcmp(other->algorithm, CongestionRule::kLossyPath) != 0)
