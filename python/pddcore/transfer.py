@@ -51,66 +51,18 @@ The verbs emulator touches memory with the CPU, so it only takes host memory.
 from __future__ import annotations
 
 import ipaddress
-import secrets
-import struct
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
 from . import _C
+from .auth_token import MIN_AUTH_TOKEN_BYTES, check_auth_token, new_auth_token
+from .transfer_types import Message, Peer, Region, RegionDescriptor, Transfer, TransferError, WriteSpec
 
 __all__ = ["TransferEngine", "Region", "Peer", "Transfer", "TransferError", "RegionDescriptor", "Message",
-           "available_congestion_controls", "new_auth_token", "MIN_AUTH_TOKEN_BYTES"]
-
-# An auth token keys the handshake's HMAC and the TLS PSK: one captured handshake lets an
-# attacker test guesses offline, as fast as they can compute HMACs. Only a token with at
-# least 128 random bits stands that. pddcore cannot see how random a token is, so it refuses
-# what is certainly too weak: fewer than 32 bytes (128 random bits written as hex) or fewer
-# than 8 distinct bytes (a repeated word), and new_auth_token() / `pddcore token` make one.
-MIN_AUTH_TOKEN_BYTES = 32
-_MIN_AUTH_TOKEN_DISTINCT_BYTES = 8
-
-TransferError = _C.TransferError
-TransferError.__doc__ = "A transfer, connection or handshake failed; the message names the cause."
-
-_DESCRIPTOR = struct.Struct("<4sHQQQH")
-_DESCRIPTOR_MAGIC = b"PDDR"
-_DESCRIPTOR_VERSION = 1
-_STATUS = {0: "pending", 1: "done", 2: "failed", 3: "cancelled"}
-
-
-@dataclass(frozen=True)
-class RegionDescriptor:
-    """What a peer needs to write into a region: its engine, id and size."""
-
-    address: str
-    engine_id: int
-    region_id: int
-    size: int
-
-    def to_bytes(self) -> bytes:
-        addr = self.address.encode()
-        return _DESCRIPTOR.pack(_DESCRIPTOR_MAGIC, _DESCRIPTOR_VERSION, self.engine_id, self.region_id, self.size,
-                                len(addr)) + addr
-
-    @classmethod
-    def from_bytes(cls, data: bytes | RegionDescriptor) -> RegionDescriptor:
-        if isinstance(data, RegionDescriptor):
-            return data
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"a region descriptor must be bytes, got {type(data).__name__}")
-        data = bytes(data)
-        if len(data) < _DESCRIPTOR.size:
-            raise ValueError(f"region descriptor too short ({len(data)} bytes)")
-        magic, version, engine_id, region_id, size, addr_len = _DESCRIPTOR.unpack_from(data)
-        if magic != _DESCRIPTOR_MAGIC or version != _DESCRIPTOR_VERSION:
-            raise ValueError("not a pddcore region descriptor (bad magic or version)")
-        if len(data) != _DESCRIPTOR.size + addr_len:
-            raise ValueError("region descriptor has a bad length")
-        return cls(data[_DESCRIPTOR.size:].decode(), engine_id, region_id, size)
+           "WriteSpec", "available_congestion_controls", "new_auth_token", "MIN_AUTH_TOKEN_BYTES"]
 
 
 def _fold_congestion_control(peer: dict) -> dict:
@@ -129,20 +81,6 @@ def available_congestion_controls() -> list[str]:
             return f.read().split()
     except OSError:
         return []
-
-
-def new_auth_token() -> str:
-    """A new auth token: 32 bytes from the operating system's CSPRNG as 64 hex characters
-    (256 bits). Give every engine of a deployment the same one."""
-    return secrets.token_hex(32)
-
-
-def _check_auth_token(token: bytes) -> None:
-    if len(token) < MIN_AUTH_TOKEN_BYTES or len(set(token)) < _MIN_AUTH_TOKEN_DISTINCT_BYTES:
-        raise ValueError(f"auth_token must hold at least 128 random bits: at least {MIN_AUTH_TOKEN_BYTES} bytes "
-                         f"(128 bits as hex) of at least {_MIN_AUTH_TOKEN_DISTINCT_BYTES} distinct values, got "
-                         f"{len(token)} bytes of {len(set(token))}; `pddcore token` (or "
-                         "pddcore.transfer.new_auth_token()) prints a new 256-bit one")
 
 
 def _is_loopback(host: str) -> bool:
@@ -170,132 +108,6 @@ def _buffer_address(obj: Any) -> tuple[int, int, Any]:
         raise ValueError("buffer must be C-contiguous")
     arr = np.frombuffer(view.cast("B"), dtype=np.uint8)  # holds the buffer export: no resize while registered
     return arr.ctypes.data, arr.nbytes, arr
-
-
-class Message(NamedTuple):
-    """A priority-lane message or a write notification (see :meth:`TransferEngine.poll_messages`)."""
-
-    sender: str
-    """The sender engine's listen address; ``connect()`` to it to answer."""
-    sender_engine_id: int
-    """The sender engine's id, from its hello (which the auth token's HMAC covers): compare
-    it with :attr:`Peer.engine_id` to know who sent this, whatever address it names."""
-    payload: bytes
-    notification: bool
-    """True for the ``notify`` of a write whose every byte was verified and applied here;
-    False for a message sent with :meth:`TransferEngine.send`."""
-
-
-class Region:
-    """A registered memory range of a :class:`TransferEngine`: a write ``target`` (peers may
-    write into it) or a source (only this engine reads it)."""
-
-    def __init__(self, engine: TransferEngine, region_id: int, base: int, nbytes: int, target: bool,
-                 keep_alive: Any):
-        self.engine = engine
-        self.id = region_id
-        self.base = base
-        self.nbytes = nbytes
-        self.target = target
-        self._keep_alive = keep_alive
-
-    def descriptor(self) -> bytes:
-        """Bytes a peer passes as ``dst_descriptor``: engine address, engine id, region id, size."""
-        return RegionDescriptor(self.engine.address, self.engine.engine_id, self.id, self.nbytes).to_bytes()
-
-    def __repr__(self) -> str:
-        kind = "target" if self.target else "source"
-        return f"Region(id={self.id}, {kind}, nbytes={self.nbytes}, engine={self.engine.address})"
-
-
-class Peer:
-    """A connected peer engine (see :meth:`TransferEngine.connect`)."""
-
-    def __init__(self, engine: TransferEngine, handle: Any):
-        self.engine = engine
-        self._handle = handle
-
-    @property
-    def address(self) -> str:
-        """The peer engine's listen address; also the peer id in its messages to us."""
-        return self._handle.address
-
-    @property
-    def engine_id(self) -> int:
-        return self._handle.engine_id
-
-    @property
-    def connected(self) -> bool:
-        """False once the control connection is lost."""
-        return self._handle.connected
-
-    def close(self) -> None:
-        """Closes this peer's connections; its transfers in flight fail."""
-        self.engine._core.disconnect(self._handle)
-
-    def __repr__(self) -> str:
-        return f"Peer({self.address}, connected={self.connected})"
-
-
-class Transfer:
-    """An asynchronous write batch. Done means every byte was verified and applied remotely."""
-
-    def __init__(self, engine: TransferEngine, handle: Any):
-        self._engine = engine
-        self._handle = handle
-
-    @property
-    def status(self) -> str:
-        """"pending", "done", "failed" or "cancelled"."""
-        return _STATUS[self._handle.status]
-
-    @property
-    def nbytes(self) -> int:
-        return self._handle.total_bytes
-
-    @property
-    def bytes_acked(self) -> int:
-        """Bytes the peer has verified and applied so far."""
-        return self._handle.bytes_acked
-
-    @property
-    def error(self) -> str | None:
-        """Why the transfer failed or was cancelled; None while pending or when done."""
-        return self._handle.error or None
-
-    def done(self) -> bool:
-        """True once finished successfully; raises TransferError if it failed or was cancelled."""
-        status = self._handle.status
-        if status >= 2:
-            raise TransferError(f"transfer {_STATUS[status]}: {self._handle.error}")
-        return status == 1
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Blocks (GIL released) until done. Raises TransferError on failure or cancel, and
-        TimeoutError if ``timeout`` seconds pass first (the transfer keeps going)."""
-        if not self._handle.wait(-1.0 if timeout is None else float(timeout)):
-            raise TimeoutError(f"transfer still pending after {timeout} s ({self.bytes_acked}/{self.nbytes} bytes)")
-        self.done()
-
-    def cancel(self) -> None:
-        """Stops sending, then returns once the peer confirmed that no chunk of this transfer
-        will be written any more (chunks it applied before stay): the destination range can be
-        reused at once. The peer confirms only once no chunk of it is being written; while one
-        is (a slow chunk outlasting the peer's own ``timeout_s``) it answers busy and is asked
-        again. On a failed transfer it only waits for that fence; no-op once done.
-
-        Raises TransferError if the peer does not confirm within this engine's ``timeout_s``
-        (it is gone, frozen, or a chunk is still arriving): bytes already sent may still land,
-        so the transfer's destination ranges stay quarantined: a write through the same
-        :class:`Peer` into any of them raises TransferError until a later ``cancel()`` of this
-        transfer is confirmed."""
-        self._engine._core.cancel(self._handle)
-
-    def __repr__(self) -> str:
-        return f"Transfer({self.status}, {self.bytes_acked}/{self.nbytes} bytes)"
-
-
-WriteSpec = tuple[Region, int, "bytes | RegionDescriptor", int, int]
 
 
 class TransferEngine:
@@ -382,7 +194,7 @@ class TransferEngine:
         if isinstance(auth_token, str):
             auth_token = auth_token.encode()
         if auth_token is not None:
-            _check_auth_token(auth_token)
+            check_auth_token(auth_token)
         if auth_token is None and not insecure and not _is_loopback(host):
             raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
                              "without one anybody who reaches the port can write into its target regions. Pass "
@@ -504,7 +316,7 @@ class TransferEngine:
     def connect(self, address: str, backend: str | None = None) -> Peer:
         """Connects (and authenticates) to the engine listening at ``address``; ``backend``
         picks this peer's data path (None: the engine's own; an rdma engine also has "tcp")."""
-        return Peer(self, self._core.connect(address, backend or ""))
+        return Peer(self, self._core, self._core.connect(address, backend or ""))
 
     def write(self, peer: Peer, src_region: Region, src_offset: int, dst_descriptor: bytes | RegionDescriptor,
               dst_offset: int, nbytes: int, *, notify: bytes | None = None) -> Transfer:
@@ -545,7 +357,7 @@ class TransferEngine:
             raise ValueError("write_batch needs at least one write")
         if notify is not None and not isinstance(notify, (bytes, bytearray)):
             raise TypeError(f"notify must be bytes, got {type(notify).__name__}")
-        return Transfer(self, self._core.write_batch(peer._handle, ops, None if notify is None else bytes(notify)))
+        return Transfer(self._core, self._core.write_batch(peer._handle, ops, None if notify is None else bytes(notify)))
 
     # -- messages --------------------------------------------------------------------------
 
