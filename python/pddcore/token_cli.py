@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from .transfer import new_auth_token
+from .auth_token import new_auth_token
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
