@@ -2,9 +2,10 @@
 
 - Loopback: the engine writes ``nbytes`` from this process into a region of an engine in
   another process, as one write with the given ``chunk_bytes`` over ``streams``
-  connections; the baseline is a plain-socket ``sendall`` / ``recv_into`` loop between two
-  processes moving the same bytes over the same number of connections, in pieces of the
-  same size. Engine and raw rounds alternate; best of ``rounds`` for each; ratio = engine / raw.
+  connections; the baseline (:class:`RawSockets`) is as many kept plain TCP connections,
+  each moving its share of the same source with one ``sendall`` and ``recv_into`` the same
+  destination buffer in the sink's process. Engine and raw rounds alternate; the median
+  of ``rounds`` for each; ratio = engine / raw.
 - Congestion control on loopback: the same writes from engines whose data connections run
   ``"auto"``, cubic and bbr, interleaved round by round; the median round of each
   (:class:`~pddcore.benchmarks.loss_cases.AutoComparison`).
@@ -60,14 +61,20 @@ def read_info(path: str, timeout: float = 60.0) -> str:
 
 
 def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp",
-                tls: bool = False) -> list[tuple[int, float, float]]:
+                tls: bool = False, raw_info_path: str | None = None) -> list[tuple[int, float, float]]:
     """Registers ``nbytes``, publishes address and descriptor, records latency probes
-    (phase, sent, arrived) until an ``exit`` message."""
+    (phase, sent, arrived) until an ``exit`` message. With ``raw_info_path``, also serves
+    :func:`raw_receive` into the same registered buffer and publishes its port there."""
     from pddcore.transfer import TransferEngine
 
     probes = []
+    destination = bytearray(nbytes)
+    if raw_info_path is not None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=raw_receive, args=(listener, memoryview(destination)), daemon=True).start()
+        write_info(raw_info_path, str(listener.getsockname()[1]))
     with TransferEngine(backend, listen=listen, auth_token=bench_token(), tls=tls) as engine:
-        region = engine.register(bytearray(nbytes), target=True)
+        region = engine.register(destination, target=True)
         write_info(info_path, region.descriptor().hex())
         while True:
             for message in (m.payload for m in engine.poll_messages(timeout=1.0)):
@@ -79,61 +86,81 @@ def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp",
                     probes.append((phase, sent, now))
 
 
-def raw_sink(port_path: str, plan: list[tuple[int, int]]) -> None:
-    """For each (streams, nbytes) of the plan, each ``rounds`` times (given by the sender):
-    accepts ``streams`` connections, receives nbytes split evenly, answers one byte each."""
-    listener = socket.socket()
-    listener.bind(("0.0.0.0", 0))
-    listener.listen(64)
-    write_info(port_path, str(listener.getsockname()[1]))
-    buf = bytearray(max(n for _, n in plan))
-    view = memoryview(buf)
-    for streams, nbytes in plan:
-        conns = [listener.accept()[0] for _ in range(streams)]
-        share = nbytes // streams
+_RAW_SPAN = struct.Struct("<QQ")  # offset, length of one round's share on one connection
 
-        def receive(conn: socket.socket, part: memoryview) -> None:
-            got = 0
-            while got < len(part):
-                n = conn.recv_into(part[got:])
-                if n == 0:
-                    raise ConnectionError("sender closed early")
-                got += n
-            conn.sendall(b"k")
 
-        threads = [threading.Thread(target=receive, args=(c, view[i * share:(i + 1) * share]))
-                   for i, c in enumerate(conns)]
+def raw_receive(listener: socket.socket, destination: memoryview) -> None:
+    """The raw-socket baseline's receiver: each accepted connection, round after round,
+    reads a (offset, length) span, ``recv_into``s that span of ``destination`` and
+    answers one byte once all of it arrived. MSG_WAITALL lets the kernel fill the whole
+    span in one call: no interpreter work (or lock) between the kernel's copies."""
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            head = bytearray(_RAW_SPAN.size)
+            while conn.recv_into(head, _RAW_SPAN.size, socket.MSG_WAITALL) == _RAW_SPAN.size:
+                offset, length = _RAW_SPAN.unpack(head)
+                part = destination[offset:offset + length]
+                got = 0
+                while got < length:  # more than one call only if a signal cut one short
+                    n = conn.recv_into(part[got:], length - got, socket.MSG_WAITALL)
+                    if n == 0:
+                        return
+                    got += n
+                conn.sendall(b"k")
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+class RawSockets:
+    """The loopback baseline: ``streams`` plain TCP connections, opened once and kept (as
+    the engine keeps its data connections), each moving an even share of the source with
+    one ``sendall`` into the same span of the engine's destination buffer (the receiver
+    is :func:`raw_receive` in the sink's process). Nothing is chunked, framed or checked:
+    the fastest a socket moves these bytes. Like the engine's, the connections send with
+    TCP_NODELAY, and :meth:`run` puts them on the congestion control the engine's run (on
+    loopback bbr moves about 0.6x what cubic does, so any other choice compares algorithms)."""
+
+    def __init__(self, port: int, streams: int):
+        self.conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+        for c in self.conns:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.congestion_control = self.conns[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+        self.congestion_control = self.congestion_control.rstrip(b"\0").decode()
+
+    def run(self, congestion_control: str) -> None:
+        for c in self.conns:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion_control.encode())
+        self.congestion_control = congestion_control
+
+    def move(self, data: memoryview) -> float:
+        """Moves ``data`` to the same offsets at the receiver; returns the seconds taken."""
+        share = len(data) // len(self.conns)
+        spans = [(i * share, len(data) - i * share if i == len(self.conns) - 1 else share)
+                 for i in range(len(self.conns))]
+
+        def send(conn: socket.socket, offset: int, length: int) -> None:
+            conn.sendall(_RAW_SPAN.pack(offset, length))
+            conn.sendall(data[offset:offset + length])
+            if conn.recv(1) != b"k":
+                raise ConnectionError("raw receiver did not confirm")
+
+        threads = [threading.Thread(target=send, args=(c, *span)) for c, span in zip(self.conns, spans)]
+        start = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        for c in conns:
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        for c in self.conns:
             c.close()
 
 
 # ---- loopback ---------------------------------------------------------------------------
-
-
-def _raw_round(port: int, data: memoryview, streams: int, piece: int) -> float:
-    share = len(data) // streams
-    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
-
-    def send(conn: socket.socket, part: memoryview) -> None:
-        for off in range(0, len(part), piece):
-            conn.sendall(part[off:off + piece])
-        if conn.recv(1) != b"k":
-            raise ConnectionError("receiver did not confirm")
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=send, args=(c, data[i * share:(i + 1) * share])) for i, c in enumerate(conns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    for c in conns:
-        c.close()
-    return elapsed
 
 
 @dataclass
@@ -141,63 +168,71 @@ class LoopbackResult(Result):
     chunk_bytes: int
     streams: int
     nbytes: int
-    engine_gbps: float
-    raw_gbps: float
+    engine_gbps: float  # median round
+    raw_gbps: float  # median round of the raw-socket baseline, interleaved with the engine's
+    rounds: int
     backend: str = "tcp"
+    congestion_control: str = ""  # what the engine's data connections and the raw ones ran (tcp)
 
     @property
     def ratio(self) -> float:
         return self.engine_gbps / self.raw_gbps
 
 
-def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 4, chunk_sizes=CHUNK_BYTES,
+def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 7, chunk_sizes=CHUNK_BYTES,
                     streams_list=STREAMS, backend: str = "tcp") -> list[LoopbackResult]:
-    """Every (chunk size, streams) point, engine and raw socket, in one run. ``backend``
-    "rdma" needs a NIC, or PDDCORE_VERBS=emulator in the environment (the verbs emulator:
-    its numbers measure the emulator, not RDMA hardware)."""
+    """Every (chunk size, streams) point, engine and raw sockets (:class:`RawSockets`, as many
+    connections, same source, same destination buffer), one round of each in turn, the
+    median of ``rounds``. ``backend`` "rdma" needs a NIC, or PDDCORE_VERBS=emulator in the
+    environment (the verbs emulator: its numbers measure the emulator, not RDMA hardware)."""
     import torch
 
     from pddcore.transfer import TransferEngine
 
-    configs = [(c, s) for c in chunk_sizes for s in streams_list]
     ctx = mp.get_context("spawn")
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    source = memoryview(data.numpy())
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        info, port_path = os.path.join(tmp, "engine"), os.path.join(tmp, "raw")
-        sink = ctx.Process(target=engine_sink, args=("127.0.0.1:0", nbytes, info, backend), daemon=True)
-        plan = [(s, nbytes) for _, s in configs for _ in range(rounds + 1)]
-        raw = ctx.Process(target=raw_sink, args=(port_path, plan), daemon=True)
+        info, raw_info = os.path.join(tmp, "engine"), os.path.join(tmp, "raw")
+        sink = ctx.Process(target=engine_sink, args=("127.0.0.1:0", nbytes, info, backend, False, raw_info),
+                           daemon=True)
         sink.start()
-        raw.start()
         try:
             desc = bytes.fromhex(read_info(info))
-            port = int(read_info(port_path))
-            raw_view = memoryview(data.numpy())
+            port = int(read_info(raw_info))
+            configs = [(c, s) for c in chunk_sizes for s in streams_list]
             for chunk, streams in configs:
+                raw = RawSockets(port, streams)
                 with TransferEngine(backend, streams=streams, chunk_bytes=chunk,
                                     auth_token=bench_token()) as engine:
                     src = engine.register(data)
                     peer = engine.connect(desc_address(desc))
                     engine_times, raw_times = [], []
-                    # Alternating rounds, so both sides see the same load on a shared machine;
-                    # the first round of each also opens the connections and is not counted.
-                    for _ in range(rounds + 1):
+                    # One round of each in turn, so both see the same load on a shared
+                    # machine; round 0 opens (and warms) the engine's connections and the
+                    # raw ones, and is not counted.
+                    for r in range(rounds + 1):
                         start = time.perf_counter()
                         engine.write(peer, src, 0, desc, 0, nbytes).wait()
-                        engine_times.append(time.perf_counter() - start)
-                        raw_times.append(_raw_round(port, raw_view, streams, chunk))
+                        engine_s = time.perf_counter() - start
+                        if r == 0 and backend == "tcp":
+                            running = engine.stats()["peers"][peer.address]["congestion_control"]
+                            raw.run(max(running, key=running.get))
+                        raw_s = raw.move(source)
+                        if r > 0:
+                            engine_times.append(engine_s)
+                            raw_times.append(raw_s)
                     if (chunk, streams) == configs[-1]:
                         engine.send(peer, b"exit")
-                engine_s, raw_s = min(engine_times[1:]), min(raw_times[1:])
-                results.append(LoopbackResult(chunk, streams, nbytes, nbytes / engine_s / 1e9, nbytes / raw_s / 1e9,
-                                              backend))
+                raw.close()
+                results.append(LoopbackResult(chunk, streams, nbytes, nbytes / statistics.median(engine_times) / 1e9,
+                                              nbytes / statistics.median(raw_times) / 1e9, rounds, backend,
+                                              raw.congestion_control if backend == "tcp" else ""))
         finally:
             sink.join(30)
-            raw.join(30)
-            for p in (sink, raw):
-                if p.is_alive():
-                    p.kill()
+            if sink.is_alive():
+                sink.kill()
     return results
 
 
@@ -406,9 +441,10 @@ def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30,
 
 
 def format_loopback(results: list[LoopbackResult]) -> str:
-    lines = ["chunk     streams  engine GB/s  raw GB/s  ratio"]
+    lines = ["chunk     streams rounds  cc     engine GB/s  raw GB/s  ratio   (medians, interleaved rounds)"]
     for r in results:
-        lines.append(f"{r.chunk_bytes >> 10:>6} KiB {r.streams:>6} {r.engine_gbps:>11.2f} {r.raw_gbps:>9.2f} {r.ratio:>6.2f}")
+        lines.append(f"{r.chunk_bytes >> 10:>6} KiB {r.streams:>6} {r.rounds:>6}  {r.congestion_control or '-':<6}"
+                     f"{r.engine_gbps:>11.2f} {r.raw_gbps:>9.2f} {r.ratio:>6.2f}")
     return "\n".join(lines)
 
 
