@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from pddcore import _C
-from pddcore.benchmarks import cli as bench_cli
 from pddcore.benchmarks import crc_cases, demo_cases, extend_cases, handoff_cases, loss_cases, radix_cases, stream_cases
 from pddcore.benchmarks.plots import write_plots
 from pddcore.benchmarks.results import Result
+from pddcore.benchmarks.runners import RUNNERS
 from pddcore.cli import main
 from pddcore.testing.wan import unavailable_reason
 
@@ -206,7 +206,7 @@ def test_demo_case_rows_put_pdd_beside_cross_dc_pd(monkeypatch):
     ttft = {"pd": {"p50": 0.2, "p90": 0.6, "p99": 1.5}, "pdd": {"p50": 0.1, "p90": 0.5, "p99": 1.8}}
     measured = demo_cases.DemoResult(24, "100 Mbit/s", ttft, {"pd": True, "pdd": False})
     monkeypatch.setattr(demo_cases, "demo_case", lambda quick: measured)
-    out = bench_cli.RUNNERS["demo"](True, "tcp")
+    out = RUNNERS["demo"](True, "tcp")
     assert [(r.what, r.value, r.baseline, r.unit) for r in out.rows] == [
         ("PDD TTFT p50", 100.0, 200.0, "ms"), ("PDD TTFT p90", 500.0, 600.0, "ms"),
         ("PDD TTFT p99", 1800.0, 1500.0, "ms")]

@@ -10,8 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from pddcore.benchmarks import cli as bench_cli
-from pddcore.benchmarks import peer_cases, peer_engines
+from pddcore.benchmarks import peer_cases, peer_engines, runners
 from pddcore.benchmarks.peer_cases import Measurement, PeerResult, PeersReport
 from pddcore.testing.wan import unavailable_reason
 
@@ -79,7 +78,7 @@ def test_a_peer_that_is_not_installed_is_skipped_with_the_import_error(monkeypat
 
 
 def test_the_bench_registers_the_case():
-    assert "peers" in bench_cli.CASES and bench_cli.RUNNERS["peers"] is bench_cli.case_peers
+    assert "peers" in runners.CASES and runners.RUNNERS["peers"] is runners.case_peers
 
 
 @pytest.mark.root

@@ -607,8 +607,8 @@ def test_bench_wan_frames_rebuild_md_pages_across_the_emulated_link():
     """The WAN phase of the codec bench at CI size: MD's pool pages hold exactly P's bytes
     after each lossless codec (and not after fp8: the comparison can tell), zstd puts
     fewer bytes than the raw bfloat16 KV on the wire, and every frame crossed the delay."""
-    from pddcore.benchmarks import cli as bench_cli
     from pddcore.benchmarks import codec_cases, codec_wan
+    from pddcore.benchmarks.runners import codec_wan_rows
 
     cfg = codec_wan.MODELS["embedded"]
     r = codec_wan.wan_case("200mbit", delay_ms=5, trials=2, config="embedded", dtype=torch.bfloat16,
@@ -632,7 +632,7 @@ def test_bench_wan_frames_rebuild_md_pages_across_the_emulated_link():
             assert p.wire_bytes < p.raw_bytes
     assert "64-token document" in codec_wan.format_wan(r) and "exact" in codec_wan.format_wan(r)
     # pddcore bench's rows: each codec's median beside none's, none's beside the line rate.
-    rows = {row.what: row for row in bench_cli.codec_wan_rows([r])}
+    rows = {row.what: row for row in codec_wan_rows([r])}
     assert len(rows) == len(r.points)
     for p in r.points:
         row = rows[f"{p.codec}, {p.tokens}-token {p.payload}, 200Mbit/s 10ms"]
