@@ -60,7 +60,9 @@ EMULATOR_CASES = ["state_machine", "write_chain", "bad_rkey", "out_of_range", "b
 
 
 test_verbs_emulator = cpp_unit.case_test(
-    "verbs_emulator_test", ["tests/cpp/verbs_emulator_test.cpp", "csrc/transport/rdma/emulator/verbs_emulator.cpp",
+    "verbs_emulator_test", ["tests/cpp/verbs_emulator_test.cpp",
+                            *(f"csrc/transport/rdma/emulator/{name}.cpp"
+                              for name in ("objects", "qp_state", "wire", "verbs_emulator")),
                             "csrc/transport/socket.cpp", "csrc/transport/tls.cpp"], EMULATOR_CASES,
     libs=("-lssl", "-lcrypto"))
 
