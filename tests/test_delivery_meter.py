@@ -1,8 +1,9 @@
 """The TCP backend's delivery meter (stats' ``path_limited_bytes`` / ``path_limited_seconds``,
 what the router's bandwidth estimator reads): the integration of the kernel's delivery-rate
 samples tested in C++ against hand-made TCP_INFO readings (tests/cpp/delivery_meter_test.cpp:
-connections summed, a streaming sender's waits left out, idle and application-limited
-connections left out, a reconnect is a new baseline), and live counters on loopback. Through
+acknowledged bytes counted, never rate samples, a streaming sender's waits and the time
+after a transfer left out, idle and application-limited connections left out, a reconnect is
+a new baseline), and live counters on loopback. Through
 a real bottleneck with a streaming sender: tests/test_transfer_wan.py (root)."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pddcore.transfer import TransferEngine
 
 METER_CASES = ["sums_the_connections", "streaming_waits_do_not_count", "idle_connection_is_left_out",
                "application_limited_samples_say_nothing", "reconnect_is_a_new_baseline",
-               "late_reading_is_dropped_and_silence_capped"]
+               "counts_acknowledged_bytes_not_rate_samples", "the_time_after_the_last_delivery_does_not_count",
+               "late_reading_is_dropped_and_silence_says_nothing"]
 
 
 test_delivery_meter = cpp_unit.case_test("delivery_meter_test", ["tests/cpp/delivery_meter_test.cpp",
@@ -40,6 +42,8 @@ def test_bulk_write_on_loopback_is_path_limited_and_idle_time_is_not():
     # for no longer than the write took, and faster than the write's average (which also
     # holds its start-up and its last round trip).
     assert 0 < written["path_limited_seconds"] <= written["seconds_busy"], written
+    # The bytes it counts were sent: summed rate samples once read 10-20x more on loopback.
+    assert 0 < written["path_limited_bytes"] <= written["bytes_sent"], written
     limited_rate = written["path_limited_bytes"] / written["path_limited_seconds"]
     assert limited_rate >= written["bytes_sent"] / written["seconds_busy"], written
     # Idle connections deliver nothing: the counters stand still.

@@ -7,24 +7,34 @@ namespace pddcore::transfer {
 void DeliveryMeter::observe(const std::vector<std::pair<uint32_t, PathSample>>& samples, int64_t now_ns) {
   // Two senders may read the streams at nearly the same moment and report in either order.
   if (now_ns < last_ns_) return;
-  if (rate_Bps_ > 0) {
-    const int64_t step = std::min(now_ns - last_ns_, kMaxStepNs);
-    bytes_ += rate_Bps_ * static_cast<double>(step) * 1e-9;
-    ns_ += step;
-  }
-  rate_Bps_ = 0;
+  const bool limited_since_last = path_limited_;
+  const int64_t step = now_ns - last_ns_;
+  uint64_t delivered = 0;
+  int64_t window = kMinDeliveringNs;
+  path_limited_ = false;
   last_ns_ = now_ns;
   for (const auto& [index, sample] : samples) {
     auto [it, first_seen] = connections_.try_emplace(index);
     Connection& c = it->second;
-    if (!first_seen && sample.bytes_acked > c.bytes_acked) c.advanced_ns = now_ns;
     // A reconnected stream starts counting at 0 again: a new baseline, not a delivery.
     const bool restarted = sample.bytes_acked < c.bytes_acked;
+    if (!first_seen && !restarted && sample.bytes_acked > c.bytes_acked) {
+      delivered += sample.bytes_acked - c.bytes_acked;
+      c.advanced_ns = now_ns;
+    }
     c.bytes_acked = sample.bytes_acked;
     if (first_seen || restarted) continue;
-    const int64_t window = std::max(kMinDeliveringNs, static_cast<int64_t>(sample.srtt_s * 1e9));
+    const int64_t delivering = std::max(kMinDeliveringNs, static_cast<int64_t>(sample.srtt_s * 1e9));
+    window = std::max(window, delivering);
     // An idle connection's last sample may be stale and unflagged; only live ones count.
-    if (now_ns - c.advanced_ns <= window && !sample.delivery_app_limited) rate_Bps_ += sample.delivery_rate_Bps;
+    if (now_ns - c.advanced_ns <= delivering && !sample.delivery_app_limited) path_limited_ = true;
+  }
+  // A busy link is looked at every few acks. Nothing acknowledged since the last look, or
+  // a look after a silence longer than a round trip: the transfer ended (or stalled) in
+  // between, and neither the time nor when those last bytes arrived is known.
+  if (limited_since_last && delivered > 0 && step <= window) {
+    bytes_ += static_cast<double>(delivered);
+    ns_ += step;
   }
 }
 
