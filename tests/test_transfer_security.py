@@ -33,7 +33,7 @@ class FakeServer:
 
     def __init__(self, auth_required: bool):
         self.auth_required = auth_required
-        self.challenge = _CHALLENGE.pack(HELLO_MAGIC, WIRE_VERSION, int(auth_required), 777, os.urandom(16))
+        self.challenge = _CHALLENGE.pack(HELLO_MAGIC, WIRE_VERSION, int(auth_required), os.urandom(16))
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.received = b""
@@ -49,7 +49,7 @@ class FakeServer:
             try:
                 if self.auth_required:
                     self.received += _recv_exact(conn, 32)
-                    conn.sendall(_RESULT.pack(2, b"\0" * 32, b"fake server says no".ljust(96, b"\0")))
+                    conn.sendall(_RESULT.pack(2, 0, b"\0" * 32, b"fake server says no".ljust(96, b"\0")))
                 while chunk := conn.recv(4096):
                     self.received += chunk
             except OSError:
@@ -432,7 +432,7 @@ test_wire_flags = cpp_unit.case_test("wire_flags_test", ["tests/cpp/wire_flags_t
 
 def test_client_refuses_a_challenge_whose_flag_byte_is_not_0_or_1():
     fake = FakeServer(auth_required=False)
-    fake.challenge = _CHALLENGE.pack(HELLO_MAGIC, WIRE_VERSION, 2, 777, os.urandom(16))
+    fake.challenge = _CHALLENGE.pack(HELLO_MAGIC, WIRE_VERSION, 2, os.urandom(16))
     refused_by_client(fake, "bad challenge magic or flag")
     assert len(fake.received) == _HELLO.size  # no proof went to it
 

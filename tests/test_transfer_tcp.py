@@ -394,12 +394,12 @@ def test_frozen_peer_fails_after_timeout(backend):
 # ---- wire level (tcp data protocol) ----------------------------------------------------
 
 _HELLO = struct.Struct("<IHBBQ16s64s")
-_CHALLENGE = struct.Struct("<IHBQ16s")
-_RESULT = struct.Struct("<B32s96s")
+_CHALLENGE = struct.Struct("<IHB16s")  # magic, version, auth required, nonce: no engine id before the proof
+_RESULT = struct.Struct("<BQ32s96s")  # status, the server's engine id, its proof, why refused
 _CHUNK = struct.Struct("<IHHQQQIII")  # ... length, payload CRC, transfer tag; then the header CRC
 _ACK = struct.Struct("<IBBHQ")
 HELLO_MAGIC, CHUNK_MAGIC, ACK_MAGIC = 0x48444450, 0x43444450, 0x41444450
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -412,22 +412,29 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def python_handshake(address: str, token: bytes | None, kind: int = 1, version: int = WIRE_VERSION) -> socket.socket:
+def python_handshake(address: str, token: bytes | None, kind: int = 1, version: int = WIRE_VERSION,
+                     engine_id: int = 42, secure=None) -> socket.socket:
     """An independent client of the handshake, with Python's hmac: HMAC-SHA256(token,
-    label + hello + challenge) each way."""
+    label + hello + challenge), the server's also over the engine id its result states.
+    ``engine_id`` is the id the hello claims; ``secure`` wraps the socket first (TLS)."""
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=5)
-    hello = _HELLO.pack(HELLO_MAGIC, version, kind, 0, 42, os.urandom(16), b"127.0.0.1:1".ljust(64, b"\0"))
+    if secure is not None:  # e.g. an ssl.SSLContext's wrap_socket: the handshake then runs over TLS
+        sock = secure(sock)
+    hello = _HELLO.pack(HELLO_MAGIC, version, kind, 0, engine_id, os.urandom(16), b"127.0.0.1:1".ljust(64, b"\0"))
     sock.sendall(hello)
     challenge = _recv_exact(sock, _CHALLENGE.size)
     mac = b"\0" * 32 if token is None else hmac.new(token, b"pddcore client proof" + hello + challenge,
                                                       hashlib.sha256).digest()
     sock.sendall(mac)
-    status, server_mac, reason = _RESULT.unpack(_recv_exact(sock, _RESULT.size))
+    status, server_id, server_mac, reason = _RESULT.unpack(_recv_exact(sock, _RESULT.size))
     if status != 0:
         sock.close()
         raise PermissionError(reason.rstrip(b"\0").decode())
-    expected = hmac.new(token, b"pddcore server proof" + hello + challenge, hashlib.sha256).digest()
+    if token is None:
+        return sock
+    expected = hmac.new(token, b"pddcore server proof" + hello + challenge + struct.pack("<Q", server_id),
+                        hashlib.sha256).digest()
     assert hmac.compare_digest(server_mac, expected), "server did not prove the token"
     return sock
 

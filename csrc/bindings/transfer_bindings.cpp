@@ -23,6 +23,7 @@ std::string to_string(const nb::bytes& b) { return std::string(b.c_str(), b.size
 
 void bind_transfer(nb::module_& m) {
   m.def("aes_gcm_seal_rate", &aes_gcm_seal_rate, nb::arg("total_bytes"), nb::call_guard<nb::gil_scoped_release>());
+  m.def("engine_id_for_name", &engine_id_for_name, nb::arg("name"));
   nb::exception<TransferError>(m, "TransferError", PyExc_RuntimeError);
 
   nb::class_<Peer>(m, "PeerHandle")
@@ -45,7 +46,8 @@ void bind_transfer(nb::module_& m) {
              uint32_t chunk_bytes, std::optional<nb::bytes> auth_token, double timeout_s, double rate_limit_bps,
              uint32_t max_retries, const std::string& rdma_device, uint8_t ib_port, int gid_index,
              double queue_delay_target_s, uint32_t max_connections, uint32_t max_connections_per_host,
-             uint64_t max_inbox_bytes, bool tls, double idle_timeout_s, const std::string& congestion_control) {
+             uint64_t max_inbox_bytes, bool tls, double idle_timeout_s, const std::string& congestion_control,
+             const std::string& tls_ca, const std::string& tls_cert, const std::string& tls_key) {
             EngineOptions o;
             o.backend = backend;
             o.listen_host = host;
@@ -65,6 +67,9 @@ void bind_transfer(nb::module_& m) {
             o.max_connections_per_host = max_connections_per_host;
             o.max_inbox_bytes = max_inbox_bytes;
             o.tls = tls;
+            o.tls_ca_file = tls_ca;
+            o.tls_cert_file = tls_cert;
+            o.tls_key_file = tls_key;
             o.idle_timeout_s = idle_timeout_s;
             o.congestion_control = congestion_control;
             nb::gil_scoped_release release;
@@ -74,7 +79,8 @@ void bind_transfer(nb::module_& m) {
           nb::arg("auth_token").none(), nb::arg("timeout_s"), nb::arg("rate_limit_bps"), nb::arg("max_retries"),
           nb::arg("rdma_device") = "", nb::arg("ib_port") = 1, nb::arg("gid_index") = -1,
           nb::arg("queue_delay_target_s"), nb::arg("max_connections"), nb::arg("max_connections_per_host"),
-          nb::arg("max_inbox_bytes"), nb::arg("tls"), nb::arg("idle_timeout_s"), nb::arg("congestion_control"))
+          nb::arg("max_inbox_bytes"), nb::arg("tls"), nb::arg("idle_timeout_s"), nb::arg("congestion_control"),
+          nb::arg("tls_ca") = "", nb::arg("tls_cert") = "", nb::arg("tls_key") = "")
       .def_prop_ro("address", &Engine::address)
       .def_prop_ro("engine_id", &Engine::engine_id)
       .def_prop_ro("backend", &Engine::backend_name)

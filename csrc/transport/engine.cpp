@@ -33,12 +33,23 @@ Engine::Engine(EngineOptions options)
       !(options_.idle_timeout_s > 0))
     throw std::invalid_argument(
         "max_connections, max_connections_per_host, max_inbox_bytes and idle_timeout_s must be positive");
-  if (options_.tls && !options_.has_token) throw std::invalid_argument("tls needs an auth_token (its key comes from it)");
-  if (options_.tls) tls_ = std::make_unique<TlsContext>(options_.auth_token);
+  const bool certificates =
+      !options_.tls_ca_file.empty() || !options_.tls_cert_file.empty() || !options_.tls_key_file.empty();
+  if (certificates && !options_.tls) throw std::invalid_argument("TLS certificates are given but tls is off");
+  if (options_.tls && !certificates && !options_.has_token)
+    throw std::invalid_argument("tls needs an auth_token (its key comes from it) or certificates");
+  if (certificates)
+    tls_ = std::make_unique<TlsContext>(
+        TlsCertificates{options_.tls_ca_file, options_.tls_cert_file, options_.tls_key_file});
+  else if (options_.tls)
+    tls_ = std::make_unique<TlsContext>(options_.auth_token);
   uint16_t port = 0;
   Socket listener = listen_tcp({options_.listen_host, options_.listen_port}, &port);
   address_ = format_address({options_.listen_host, port});
-  random_bytes(&handshake_.engine_id, sizeof(handshake_.engine_id));
+  if (tls_ && tls_->own_engine_id())
+    handshake_.engine_id = *tls_->own_engine_id();  // the id its certificate names
+  else
+    random_bytes(&handshake_.engine_id, sizeof(handshake_.engine_id));
   handshake_.address = address_;
   handshake_.has_token = options_.has_token;
   handshake_.token = options_.auth_token;
@@ -162,8 +173,8 @@ Socket Engine::dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) {
     congestion_control = options_.congestion_control == "auto" ? tcp::CongestionRule::kBeforeHandshake
                                                                : options_.congestion_control;
   Socket s = dial_tcp(parse_address(peer.address), options_.timeout_s, congestion_control);
-  if (tls_) tls_->secure_client(s, options_.timeout_s);
-  const uint64_t id = dial_handshake(s, handshake_, kind, stream);
+  const std::optional<uint64_t> certified = secure(s, true);
+  const uint64_t id = dial_handshake(s, handshake_, kind, stream, certified);
   if (id != peer.engine_id) throw TransferError("engine at " + peer.address + " was replaced (its engine id changed)");
   return s;
 }
@@ -180,8 +191,8 @@ PeerPtr Engine::connect(const std::string& address, const std::string& backend) 
   }
   peer->info.address = address;
   peer->control = dial_tcp(parse_address(address), options_.timeout_s);
-  if (tls_) tls_->secure_client(peer->control, options_.timeout_s);
-  peer->info.engine_id = dial_handshake(peer->control, handshake_, wire::ConnKind::kControl, 0);
+  const std::optional<uint64_t> certified = secure(peer->control, true);
+  peer->info.engine_id = dial_handshake(peer->control, handshake_, wire::ConnKind::kControl, 0, certified);
   peer->control.set_timeouts(0, options_.timeout_s);
   peer->control.set_nodelay();
   {
@@ -229,11 +240,20 @@ PeerPtr Engine::find_peer(uint64_t peer_key) const {
   return it == peers_.end() ? nullptr : it->second;
 }
 
+std::optional<uint64_t> Engine::secure(Socket& s, bool client) const {
+  if (!tls_) return std::nullopt;
+  std::unique_ptr<TlsChannel> channel =
+      client ? tls_->secure_client(s.fd(), options_.timeout_s) : tls_->secure_server(s.fd(), options_.timeout_s);
+  std::optional<uint64_t> certified = channel->certified_peer_id();
+  s.attach_tls(std::move(channel));
+  return certified;
+}
+
 void Engine::serve_connection(Socket& socket, const std::string& host,
                               const ConnectionServer::Authenticated& authenticated) {
   try {
-    if (tls_) tls_->secure_server(socket, options_.timeout_s);
-    const ClientHello hello = accept_handshake(socket, handshake_);
+    const std::optional<uint64_t> certified = secure(socket, false);
+    const ClientHello hello = accept_handshake(socket, handshake_, certified);
     if (!authenticated()) return;  // the authenticated budget is full
     // A client listening on a wildcard address is reachable at the address it came from.
     HostPort from = parse_address(hello.address);

@@ -147,6 +147,9 @@ class Engine final : public BackendHost {
     std::vector<bool> chunk_acked;
   };
 
+  // Runs TLS (when on) on a fresh connection; returns the engine id the peer's certificate
+  // names (certificate mode), which the handshake then holds the peer to.
+  std::optional<uint64_t> secure(Socket& s, bool client) const;
   // Serves an accepted connection: TLS, the handshake, then control or a backend's data.
   void serve_connection(Socket& socket, const std::string& host, const ConnectionServer::Authenticated& authenticated);
   void serve_control(const Socket& s, const std::string& from, uint64_t from_engine_id);

@@ -16,15 +16,20 @@ namespace {
 using Mac = uint8_t[wire::kMacBytes];
 
 // HMAC over everything both sides said, with a label per direction, so a proof can be
-// replayed neither on another connection nor back to its sender.
+// replayed neither on another connection nor back to its sender. The server's proof also
+// covers the engine id it states in its Result (client proof: no id).
 void transcript_mac(const std::string& token, const char* label, const wire::Hello& hello,
-                    const wire::Challenge& challenge, Mac out) {
-  uint8_t hello_bytes[wire::Hello::kSize], challenge_bytes[wire::Challenge::kSize];
+                    const wire::Challenge& challenge, std::optional<uint64_t> server_id, Mac out) {
+  uint8_t hello_bytes[wire::Hello::kSize], challenge_bytes[wire::Challenge::kSize], id_bytes[8];
   hello.encode(hello_bytes);
   challenge.encode(challenge_bytes);
   std::string data(label);
   data.append(reinterpret_cast<const char*>(hello_bytes), sizeof(hello_bytes));
   data.append(reinterpret_cast<const char*>(challenge_bytes), sizeof(challenge_bytes));
+  if (server_id) {
+    wire::Writer(id_bytes).put(*server_id);
+    data.append(reinterpret_cast<const char*>(id_bytes), sizeof(id_bytes));
+  }
   unsigned int len = wire::kMacBytes;
   const bool ok = HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
                        reinterpret_cast<const uint8_t*>(data.data()), data.size(), out, &len) != nullptr;
@@ -56,7 +61,8 @@ void random_bytes(void* out, size_t n) {
   if (RAND_bytes(static_cast<uint8_t*>(out), static_cast<int>(n)) != 1) throw TransferError("RAND_bytes failed");
 }
 
-ClientHello accept_handshake(const Socket& s, const HandshakeConfig& cfg) {
+ClientHello accept_handshake(const Socket& s, const HandshakeConfig& cfg,
+                             const std::optional<uint64_t>& certified_client_id) {
   // One deadline for the whole exchange: a client that trickles bytes cannot hold the
   // connection (and its thread) longer than timeout_s.
   const int64_t deadline = now_ns() + static_cast<int64_t>(cfg.timeout_s * 1e9);
@@ -68,7 +74,6 @@ ClientHello accept_handshake(const Socket& s, const HandshakeConfig& cfg) {
 
   wire::Challenge challenge;
   challenge.auth_required = cfg.has_token ? 1 : 0;
-  challenge.engine_id = cfg.engine_id;
   random_bytes(challenge.nonce, wire::kNonceBytes);
   uint8_t challenge_bytes[wire::Challenge::kSize];
   challenge.encode(challenge_bytes);
@@ -82,18 +87,22 @@ ClientHello accept_handshake(const Socket& s, const HandshakeConfig& cfg) {
   wire::Result result;
   if (cfg.has_token) {
     Mac expected;
-    transcript_mac(cfg.token, "pddcore client proof", hello, challenge, expected);
+    transcript_mac(cfg.token, "pddcore client proof", hello, challenge, std::nullopt, expected);
     if (CRYPTO_memcmp(expected, proof.mac, wire::kMacBytes) != 0)
       refuse(s, wire::HandshakeStatus::kBadToken, wire::to_string(wire::HandshakeStatus::kBadToken));
-    transcript_mac(cfg.token, "pddcore server proof", hello, challenge, result.mac);
   }
+  if (certified_client_id && hello.engine_id != *certified_client_id)
+    refuse(s, wire::HandshakeStatus::kWrongEngineId, wire::to_string(wire::HandshakeStatus::kWrongEngineId));
+  result.engine_id = cfg.engine_id;
+  if (cfg.has_token) transcript_mac(cfg.token, "pddcore server proof", hello, challenge, result.engine_id, result.mac);
   uint8_t result_bytes[wire::Result::kSize];
   result.encode(result_bytes);
   s.send_all(result_bytes, sizeof(result_bytes));
   return {hello.kind, hello.stream, hello.engine_id, wire::padded_string(hello.address, wire::kAddressBytes)};
 }
 
-uint64_t dial_handshake(const Socket& s, const HandshakeConfig& cfg, wire::ConnKind kind, uint8_t stream) {
+uint64_t dial_handshake(const Socket& s, const HandshakeConfig& cfg, wire::ConnKind kind, uint8_t stream,
+                        const std::optional<uint64_t>& certified_server_id) {
   const int64_t deadline = now_ns() + static_cast<int64_t>(cfg.timeout_s * 1e9);
   s.set_timeouts(cfg.timeout_s, cfg.timeout_s);
   wire::Hello hello;
@@ -119,7 +128,7 @@ uint64_t dial_handshake(const Socket& s, const HandshakeConfig& cfg, wire::ConnK
     throw TransferError("peer does not require authentication but this engine has an auth token: refused "
                         "(a server must prove the token)");
   wire::Proof proof;
-  if (cfg.has_token) transcript_mac(cfg.token, "pddcore client proof", hello, challenge, proof.mac);
+  if (cfg.has_token) transcript_mac(cfg.token, "pddcore client proof", hello, challenge, std::nullopt, proof.mac);
   s.send_all(proof.mac, wire::kMacBytes);
 
   uint8_t result_bytes[wire::Result::kSize];
@@ -131,11 +140,13 @@ uint64_t dial_handshake(const Socket& s, const HandshakeConfig& cfg, wire::ConnK
                         wire::padded_string(result.reason, wire::kReasonBytes));
   if (cfg.has_token) {
     Mac expected;
-    transcript_mac(cfg.token, "pddcore server proof", hello, challenge, expected);
+    transcript_mac(cfg.token, "pddcore server proof", hello, challenge, result.engine_id, expected);
     if (CRYPTO_memcmp(expected, result.mac, wire::kMacBytes) != 0)
       throw TransferError("peer failed to prove knowledge of the auth token");
   }
-  return challenge.engine_id;
+  if (certified_server_id && result.engine_id != *certified_server_id)
+    throw TransferError("peer states an engine id its certificate does not name");
+  return result.engine_id;
 }
 
 }  // namespace pddcore::transfer

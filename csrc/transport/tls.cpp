@@ -4,15 +4,16 @@
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <openssl/sha.h>
 #include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <poll.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
-
-#include "socket.h"
 
 namespace pddcore::transfer {
 
@@ -20,6 +21,7 @@ namespace {
 
 constexpr char kPskIdentity[] = "pddcore";
 constexpr char kPskLabel[] = "pddcore tls 1.3 pre-shared key v1";
+constexpr char kEngineIdLabel[] = "pddcore engine id v1\n";
 // A TLS record carries at most 16 KiB: smaller pieces are gathered into one record.
 constexpr size_t kRecordBytes = 16 << 10;
 constexpr size_t kReadAheadBytes = 256 << 10;
@@ -56,7 +58,49 @@ unsigned int server_psk(SSL* ssl, const char* identity, unsigned char* psk, unsi
   return copy_psk(ssl, psk, max_psk);
 }
 
-SSL_CTX* make_context(bool client, TlsContext* owner) {
+// The subject common name of a certificate ("" without one).
+std::string common_name(X509* cert) {
+  char name[256] = {};
+  const int n = X509_NAME_get_text_by_NID(X509_get_subject_name(cert), NID_commonName, name, sizeof(name));
+  return n > 0 ? std::string(name, static_cast<size_t>(n)) : std::string();
+}
+
+// The certificate's engine id; throws std::invalid_argument naming `whose` without a common name.
+uint64_t certified_id(X509* cert, const std::string& whose) {
+  const std::string name = common_name(cert);
+  if (name.empty()) throw std::invalid_argument(whose + " certificate has no subject common name (the engine's name)");
+  return engine_id_for_name(name);
+}
+
+// Checks that our own certificate verifies against the CA now (not expired, not another
+// CA's): otherwise every peer would refuse it with nothing but a TLS alert.
+void verify_own_certificate(SSL_CTX* ctx, const std::string& cert_file) {
+  X509_STORE_CTX* check = X509_STORE_CTX_new();
+  STACK_OF(X509)* chain = nullptr;
+  SSL_CTX_get0_chain_certs(ctx, &chain);
+  const bool ok = check != nullptr &&
+                  X509_STORE_CTX_init(check, SSL_CTX_get_cert_store(ctx), SSL_CTX_get0_certificate(ctx), chain) == 1 &&
+                  X509_verify_cert(check) == 1;
+  const std::string why = check != nullptr ? X509_verify_cert_error_string(X509_STORE_CTX_get_error(check)) : "";
+  X509_STORE_CTX_free(check);
+  if (!ok) throw std::invalid_argument("certificate " + cert_file + " does not verify against the CA: " + why);
+}
+
+void load_certificates(SSL_CTX* ctx, const TlsCertificates& files) {
+  if (SSL_CTX_use_certificate_chain_file(ctx, files.cert_file.c_str()) != 1)
+    throw std::invalid_argument("cannot read the certificate " + files.cert_file + ": " + openssl_reason());
+  // Also checks that the key is the certificate's.
+  if (SSL_CTX_use_PrivateKey_file(ctx, files.key_file.c_str(), SSL_FILETYPE_PEM) != 1)
+    throw std::invalid_argument("cannot use the private key " + files.key_file + " with the certificate " +
+                                files.cert_file + ": " + openssl_reason());
+  if (SSL_CTX_load_verify_locations(ctx, files.ca_file.c_str(), nullptr) != 1)
+    throw std::invalid_argument("cannot read the CA certificate " + files.ca_file + ": " + openssl_reason());
+  verify_own_certificate(ctx, files.cert_file);
+  // Both ends present a certificate and verify the other's chain against the CA.
+  SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+}
+
+SSL_CTX* make_context(bool client, TlsContext* owner, const TlsCertificates* certificates) {
   SSL_CTX* ctx = SSL_CTX_new(client ? TLS_client_method() : TLS_server_method());
   if (ctx == nullptr) throw TlsError("SSL_CTX_new failed: " + openssl_reason());
   SSL_CTX_set_app_data(ctx, owner);
@@ -67,11 +111,18 @@ SSL_CTX* make_context(bool client, TlsContext* owner) {
   // Read whatever the kernel holds in one recv (many records), not one record per syscall.
   SSL_CTX_set_read_ahead(ctx, 1);
   SSL_CTX_set_default_read_buffer_len(ctx, kReadAheadBytes);
-  if (client) {
+  if (!client) SSL_CTX_set_num_tickets(ctx, 0);  // no resumption: every connection proves its key afresh
+  if (certificates != nullptr) {
+    try {
+      load_certificates(ctx, *certificates);
+    } catch (...) {
+      SSL_CTX_free(ctx);
+      throw;
+    }
+  } else if (client) {
     SSL_CTX_set_psk_client_callback(ctx, client_psk);
   } else {
     SSL_CTX_set_psk_server_callback(ctx, server_psk);
-    SSL_CTX_set_num_tickets(ctx, 0);  // no resumption: every connection proves the key afresh
   }
   return ctx;
 }
@@ -216,6 +267,17 @@ void TlsChannel::write(const iovec* iov, int count) {
   }
 }
 
+// ---- identities ------------------------------------------------------------
+
+uint64_t engine_id_for_name(const std::string& name) {
+  const std::string labelled = kEngineIdLabel + name;
+  uint8_t digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const uint8_t*>(labelled.data()), labelled.size(), digest);
+  uint64_t id = 0;
+  for (int i = 7; i >= 0; --i) id = (id << 8) | digest[i];
+  return id;
+}
+
 // ---- cipher rate -----------------------------------------------------------
 
 double aes_gcm_seal_rate(uint64_t total_bytes) {
@@ -250,8 +312,21 @@ TlsContext::TlsContext(const std::string& auth_token) {
            reinterpret_cast<const uint8_t*>(kPskLabel), sizeof(kPskLabel) - 1, key, &len) == nullptr)
     throw TlsError("HMAC-SHA256 failed in OpenSSL");
   psk_.assign(reinterpret_cast<const char*>(key), len);
-  client_ = make_context(true, this);
-  server_ = make_context(false, this);
+  client_ = make_context(true, this, nullptr);
+  server_ = make_context(false, this, nullptr);
+}
+
+TlsContext::TlsContext(const TlsCertificates& certificates) {
+  if (certificates.ca_file.empty() || certificates.cert_file.empty() || certificates.key_file.empty())
+    throw std::invalid_argument("TLS with certificates needs a CA file, a certificate file and a key file");
+  client_ = make_context(true, this, &certificates);
+  try {
+    server_ = make_context(false, this, &certificates);
+  } catch (...) {
+    SSL_CTX_free(client_);
+    throw;
+  }
+  own_engine_id_ = certified_id(SSL_CTX_get0_certificate(client_), "this engine's");
 }
 
 TlsContext::~TlsContext() {
@@ -259,17 +334,21 @@ TlsContext::~TlsContext() {
   SSL_CTX_free(server_);
 }
 
-void TlsContext::secure_client(Socket& s, double timeout_s) const { secure(s, client_, true, timeout_s); }
-void TlsContext::secure_server(Socket& s, double timeout_s) const { secure(s, server_, false, timeout_s); }
+std::unique_ptr<TlsChannel> TlsContext::secure_client(int fd, double timeout_s) const {
+  return secure(fd, client_, true, timeout_s);
+}
+std::unique_ptr<TlsChannel> TlsContext::secure_server(int fd, double timeout_s) const {
+  return secure(fd, server_, false, timeout_s);
+}
 
-void TlsContext::secure(Socket& s, SSL_CTX* ctx, bool client, double timeout_s) const {
+std::unique_ptr<TlsChannel> TlsContext::secure(int fd, SSL_CTX* ctx, bool client, double timeout_s) const {
   SSL* ssl = SSL_new(ctx);
   if (ssl == nullptr) throw TlsError("SSL_new failed: " + openssl_reason());
-  auto channel = std::make_unique<TlsChannel>(ssl, s.fd(), timeout_s, timeout_s);
-  fcntl(s.fd(), F_SETFL, fcntl(s.fd(), F_GETFL) | O_NONBLOCK);
+  auto channel = std::make_unique<TlsChannel>(ssl, fd, timeout_s, timeout_s);
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   // Records leave through a 256 KiB buffer, flushed at the end of each write: one syscall
   // carries many 16 KiB records instead of one each.
-  BIO* socket_bio = BIO_new_socket(s.fd(), BIO_NOCLOSE);
+  BIO* socket_bio = BIO_new_socket(fd, BIO_NOCLOSE);
   BIO* buffered = BIO_new(BIO_f_buffer());
   if (socket_bio == nullptr || buffered == nullptr || BIO_set_write_buffer_size(buffered, kWriteBufferBytes) != 1) {
     BIO_free(socket_bio);
@@ -287,14 +366,29 @@ void TlsContext::secure(Socket& s, SSL_CTX* ctx, bool client, double timeout_s) 
     const double left = seconds_left(deadline);
     if (left <= 0) throw TlsError("TLS handshake timed out");
     if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
-      pollfd pfd{s.fd(), static_cast<short>(err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), 0};
+      pollfd pfd{fd, static_cast<short>(err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), 0};
       ::poll(&pfd, 1, std::max(1, static_cast<int>(left * 1000)));
       continue;
     }
-    throw TlsError("TLS handshake failed (is TLS on at both ends, with the same auth token?): " +
-                   (err == SSL_ERROR_SSL ? openssl_reason() : std::string("connection closed")));
+    const long verified = SSL_get_verify_result(ssl);
+    const std::string why = verified != X509_V_OK ? std::string("peer certificate: ") +
+                                                        X509_verify_cert_error_string(verified)
+                            : err == SSL_ERROR_SSL ? openssl_reason()
+                                                   : std::string("connection closed");
+    throw TlsError(own_engine_id_ ? "TLS handshake failed (does the peer hold a certificate from the same CA?): " + why
+                                  : "TLS handshake failed (is TLS on at both ends, with the same auth token?): " + why);
   }
-  s.attach_tls(std::move(channel));
+  if (own_engine_id_) {
+    // The handshake verified the chain; the name on it is the peer's identity.
+    X509* peer = SSL_get0_peer_certificate(ssl);
+    if (peer == nullptr) throw TlsError("peer presented no certificate");
+    try {
+      channel->certified_peer_id_ = certified_id(peer, "the peer's");
+    } catch (const std::invalid_argument& e) {
+      throw TlsError(e.what());
+    }
+  }
+  return channel;
 }
 
 }  // namespace pddcore::transfer

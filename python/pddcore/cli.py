@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": ("pddcore.serve.cli", "OpenAI-compatible PDD gateway in front of prefill, relay and main decode engines"),
     "engine": ("pddcore.engine.cli", "reference engine server (vLLM's HTTP dialect) over the CPU reference model"),
     "token": ("pddcore.token_cli", "print a new 256-bit auth token (hex) for the engines' auth_token / PDDCORE_AUTH_TOKEN"),
+    "certs": ("pddcore.certs_cli", "make a deployment CA and engine certificates for TLS with certificates"),
 }
 
 

@@ -51,6 +51,7 @@ The verbs emulator touches memory with the CPU, so it only takes host memory.
 from __future__ import annotations
 
 import ipaddress
+import os
 import threading
 from typing import Any, Iterable
 
@@ -62,7 +63,15 @@ from .auth_token import MIN_AUTH_TOKEN_BYTES, check_auth_token, new_auth_token
 from .transfer_types import Message, Peer, Region, RegionDescriptor, Transfer, TransferError, WriteSpec
 
 __all__ = ["TransferEngine", "Region", "Peer", "Transfer", "TransferError", "RegionDescriptor", "Message",
-           "WriteSpec", "available_congestion_controls", "new_auth_token", "MIN_AUTH_TOKEN_BYTES"]
+           "WriteSpec", "available_congestion_controls", "new_auth_token", "MIN_AUTH_TOKEN_BYTES",
+           "engine_id_for_name"]
+
+
+def engine_id_for_name(name: str) -> int:
+    """The engine id of an engine whose TLS certificate's subject common name is ``name``:
+    the first 8 bytes, little-endian, of SHA-256(``"pddcore engine id v1\\n" + name``). With
+    certificates this is the ``engine_id`` (and ``sender_engine_id``) peers see."""
+    return _C.engine_id_for_name(name)
 
 
 def _fold_congestion_control(peer: dict) -> dict:
@@ -131,6 +140,15 @@ class TransferEngine:
             on-path attacker sees is ciphertext, and a rewritten record is detected (the
             connection drops, the chunk is resent; ``stats()["tls_errors"]`` counts it). Both
             ends must set it. Meant for the WAN leg; inside a datacenter the token suffices.
+        tls_cert, tls_key, tls_ca: TLS 1.3 with certificates instead (all three PEM files:
+            this engine's certificate, its private key, the deployment's CA; ``tls`` is then
+            implied). Both ends present a certificate and verify the other's chain against
+            the CA (mutual TLS): a peer without one, with one from another CA, or expired is
+            refused at the TLS handshake. The certificate's subject common name is the
+            engine's name and fixes its :attr:`engine_id` (:func:`engine_id_for_name`); a
+            peer stating another id is refused, so ``sender_engine_id``, fences and pulls
+            name the engine that holds the certificate. ``auth_token`` is then optional
+            (checked as well when given). ``pddcore certs`` makes a test CA and certificates.
         timeout_s: connect deadline, one deadline for a whole handshake, and how long a peer
             may acknowledge nothing before its transfers fail.
         max_connections, max_connections_per_host: authenticated connections served at
@@ -187,7 +205,8 @@ class TransferEngine:
                  ib_port: int = 1, gid_index: int | None = None, queue_delay_target_s: float | None = None,
                  insecure: bool = False, max_connections: int = 1024, max_connections_per_host: int = 256,
                  max_inbox_bytes: int = 64 << 20, tls: bool = False, idle_timeout_s: float = 300.0,
-                 congestion_control: str | None = "auto"):
+                 congestion_control: str | None = "auto", tls_cert: str | os.PathLike | None = None,
+                 tls_key: str | os.PathLike | None = None, tls_ca: str | os.PathLike | None = None):
         host, sep, port = listen.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"listen must be 'host:port', got {listen!r}")
@@ -195,10 +214,16 @@ class TransferEngine:
             auth_token = auth_token.encode()
         if auth_token is not None:
             check_auth_token(auth_token)
-        if auth_token is None and not insecure and not _is_loopback(host):
-            raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token: "
-                             "without one anybody who reaches the port can write into its target regions. Pass "
-                             "auth_token=..., or insecure=True on a network you trust")
+        certificates = [tls_cert, tls_key, tls_ca]
+        if any(f is not None for f in certificates) and any(f is None for f in certificates):
+            raise ValueError("TLS with certificates needs all of tls_cert, tls_key and tls_ca")
+        with_certificates = tls_cert is not None
+        tls = tls or with_certificates
+        if auth_token is None and not with_certificates and not insecure and not _is_loopback(host):
+            raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token "
+                             "or certificates: without either anybody who reaches the port can write into its "
+                             "target regions. Pass auth_token=..., tls_cert/tls_key/tls_ca, or insecure=True on a "
+                             "network you trust")
         if congestion_control == "auto" and "cubic" not in available_congestion_controls():
             congestion_control = None  # "auto" dials with cubic (see below); without it, the system default
         if congestion_control not in (None, "auto") and congestion_control not in available_congestion_controls():
@@ -206,8 +231,9 @@ class TransferEngine:
                              f"available: {', '.join(available_congestion_controls())}")
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
-        if tls and auth_token is None:
-            raise ValueError("tls=True needs an auth_token: the TLS pre-shared key is derived from it")
+        if tls and auth_token is None and not with_certificates:
+            raise ValueError("tls=True needs an auth_token (the TLS pre-shared key is derived from it) or "
+                             "tls_cert/tls_key/tls_ca")
         for name, v in (("max_connections", max_connections), ("max_connections_per_host", max_connections_per_host),
                         ("max_inbox_bytes", max_inbox_bytes)):
             if not isinstance(v, int) or v <= 0:
@@ -227,7 +253,8 @@ class TransferEngine:
                                            device or "", ib_port, -1 if gid_index is None else gid_index,
                                            float(queue_delay_target_s or 0.0), max_connections,
                                            max_connections_per_host, max_inbox_bytes, bool(tls),
-                                           float(idle_timeout_s), congestion_control or "")
+                                           float(idle_timeout_s), congestion_control or "",
+                                           *(os.fspath(f) if f is not None else "" for f in (tls_ca, tls_cert, tls_key)))
         self._lock = threading.Lock()
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)
@@ -244,6 +271,8 @@ class TransferEngine:
 
     @property
     def engine_id(self) -> int:
+        """This engine's id as peers see it (``sender_engine_id``): random per engine, or with
+        certificates, :func:`engine_id_for_name` of its certificate's common name."""
         return self._core.engine_id
 
     @property

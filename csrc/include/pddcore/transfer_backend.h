@@ -123,7 +123,10 @@ struct EngineOptions {
   uint32_t chunk_bytes = 1u << 20;
   bool has_token = false;
   std::string auth_token;
-  bool tls = false;  // TLS 1.3 on every connection, keyed by the auth token (tls.h)
+  bool tls = false;  // TLS 1.3 on every connection: keyed by the auth token, or with certificates (tls.h)
+  // Certificate mode (all three, PEM): the deployment's CA, this engine's certificate (its
+  // subject common name is the engine's name, from which its engine id comes) and key.
+  std::string tls_ca_file, tls_cert_file, tls_key_file;
   std::string congestion_control;  // TCP_CONGESTION of the data connections we dial ("": the kernel's default)
   double timeout_s = 30.0;
   double rate_limit_bps = 0.0;  // bits per second; 0: unlimited

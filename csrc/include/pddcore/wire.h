@@ -17,8 +17,10 @@
 namespace pddcore::wire {
 
 // 2: chunks carry their transfer's tag (cancel fences); 3: a fence is answered busy while a
-// chunk of it is still being written
-constexpr uint16_t kVersion = 3;
+// chunk of it is still being written; 4: the server's engine id moved from the Challenge to
+// the Result (only a client that passed the handshake learns it), and a hello whose engine
+// id its TLS certificate does not name is refused
+constexpr uint16_t kVersion = 4;
 constexpr uint32_t kHelloMagic = 0x48444450;    // "PDDH"
 constexpr uint32_t kChunkMagic = 0x43444450;    // "PDDC"
 constexpr uint32_t kAckMagic = 0x41444450;      // "PDDA"
@@ -41,6 +43,7 @@ enum class HandshakeStatus : uint8_t {
   kVersionMismatch = 1,
   kBadToken = 2,
   kBadHello = 3,
+  kWrongEngineId = 4,  // the hello's engine id is not the one the client's certificate names
 };
 
 // Why a receiver rejected a chunk; sent back in the Ack.
@@ -88,6 +91,7 @@ inline const char* to_string(HandshakeStatus s) {
     case HandshakeStatus::kVersionMismatch: return "protocol version mismatch";
     case HandshakeStatus::kBadToken: return "authentication failed (wrong or missing auth token)";
     case HandshakeStatus::kBadHello: return "malformed hello";
+    case HandshakeStatus::kWrongEngineId: return "engine id is not the one the client's certificate names";
   }
   return "unknown status";
 }
@@ -166,15 +170,15 @@ struct Hello {
   }
 };
 
+// Sent before the client proved anything: it names no engine.
 struct Challenge {
-  static constexpr size_t kSize = 4 + 2 + 1 + 8 + kNonceBytes;
+  static constexpr size_t kSize = 4 + 2 + 1 + kNonceBytes;
   uint16_t version = kVersion;
   uint8_t auth_required = 0;
-  uint64_t engine_id = 0;
   uint8_t nonce[kNonceBytes] = {};
 
   void encode(uint8_t* out) const {
-    Writer(out).put(kHelloMagic).put(version).put(auth_required).put(engine_id).bytes(nonce, kNonceBytes);
+    Writer(out).put(kHelloMagic).put(version).put(auth_required).bytes(nonce, kNonceBytes);
   }
   // False on a bad magic or an auth_required byte other than 0 or 1.
   bool decode(const uint8_t* in) {
@@ -182,7 +186,6 @@ struct Challenge {
     if (r.get<uint32_t>() != kHelloMagic) return false;
     version = r.get<uint16_t>();
     auth_required = r.get<uint8_t>();
-    engine_id = r.get<uint64_t>();
     r.bytes(nonce, kNonceBytes);
     return auth_required <= 1;
   }
@@ -194,19 +197,22 @@ struct Proof {
   uint8_t mac[kMacBytes] = {};
 };
 
-// Server's verdict; on success with a token, mac proves the server knows the token too.
+// Server's verdict; on success, the server's engine id, and with a token a mac proving the
+// server knows the token too (over the transcript and that engine id).
 struct Result {
-  static constexpr size_t kSize = 1 + kMacBytes + kReasonBytes;
+  static constexpr size_t kSize = 1 + 8 + kMacBytes + kReasonBytes;
   HandshakeStatus status = HandshakeStatus::kOk;
+  uint64_t engine_id = 0;  // 0 on a refusal
   uint8_t mac[kMacBytes] = {};
   char reason[kReasonBytes] = {};
 
   void encode(uint8_t* out) const {
-    Writer(out).put(static_cast<uint8_t>(status)).bytes(mac, kMacBytes).bytes(reason, kReasonBytes);
+    Writer(out).put(static_cast<uint8_t>(status)).put(engine_id).bytes(mac, kMacBytes).bytes(reason, kReasonBytes);
   }
   void decode(const uint8_t* in) {
     Reader r(in);
     status = static_cast<HandshakeStatus>(r.get<uint8_t>());
+    engine_id = r.get<uint64_t>();
     r.bytes(mac, kMacBytes);
     r.bytes(reason, kReasonBytes);
   }
