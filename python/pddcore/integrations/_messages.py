@@ -1,5 +1,6 @@
 """The control messages an adapter's prefill and decode sides exchange (pull requests, page
 registrations, chunk and completion notices, failures): how they are framed and checked.
+Each adapter states its messages as one :class:`MessageSchema`.
 
 A message is the adapter's magic prefix followed by a JSON object: the kind under ``"k"``,
 the request it concerns under the adapter's key field (vLLM: ``"req"``, a str; SGLang:
@@ -11,10 +12,10 @@ that request.
 
 Example::
 
-    codec = MessageCodec(b"PDDX1", "example", key="req", key_check=is_str, kinds={"done": {"src": is_int}})
-    codec.encode("done", req="r-1", src=0)       # b'PDDX1{"k": "done", "req": "r-1", "src": 0}'
-    codec.decode(b'PDDX1{"k": "done", "req": "r-1", "src": 0}')    # {'k': 'done', 'req': 'r-1', 'src': 0}
-    codec.decode(b'PDDX1{"k": "done", "req": "r-1"}')
+    schema = MessageSchema(b"PDDX1", "example", key="req", key_check=is_str, kinds={"done": {"src": is_int}})
+    schema.encode("done", req="r-1", src=0)       # b'PDDX1{"k": "done", "req": "r-1", "src": 0}'
+    schema.decode(b'PDDX1{"k": "done", "req": "r-1", "src": 0}')    # {'k': 'done', 'req': 'r-1', 'src': 0}
+    schema.decode(b'PDDX1{"k": "done", "req": "r-1"}')
     # MalformedMessage: 'done' message with missing or mistyped src   (its .key is "r-1")
 """
 
@@ -25,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MessageCodec", "MalformedMessage", "is_int", "is_str", "is_bool", "is_hex", "is_head_range"]
+__all__ = ["MessageSchema", "MalformedMessage", "is_int", "is_str", "is_bool", "is_hex", "is_head_range"]
 
 Check = Callable[[Any], bool]
 
@@ -56,7 +57,7 @@ def is_head_range(value: Any) -> bool:
 
 
 class MalformedMessage(ValueError):
-    """A message that does not follow its codec; ``key`` names its request when it could be read."""
+    """A message that does not follow its schema; ``key`` names its request when it could be read."""
 
     def __init__(self, reason: str, key: Any = None):
         super().__init__(reason)
@@ -64,7 +65,7 @@ class MalformedMessage(ValueError):
 
 
 @dataclass(frozen=True)
-class MessageCodec:
+class MessageSchema:
     """One adapter's messages: its ``magic``, a ``name`` for errors and logs, the ``key``
     field every message carries (checked by ``key_check``) and, per kind, its other fields
     with their checks."""

@@ -3,7 +3,7 @@ messages it sends over them.
 
 Example::
 
-    peers = Peers(engine, codec, log)
+    peers = Peers(engine, MESSAGES, log)             # the adapter's MessageSchema
     peers.send("10.0.0.2:7000", "fail", req="r-1", reason="aborted")   # logged, not raised, on error
     engine.write(peers.connect("10.0.0.2:7000"), ...)                   # the same connection
     peers.is_from(message, "10.0.0.2:7000")   # whether a received message came from that engine
@@ -16,7 +16,7 @@ from typing import Any
 
 from ..peer_cache import PeerCache
 from ..transfer import Message, Peer, TransferEngine
-from ._messages import MessageCodec
+from ._messages import MessageSchema
 
 __all__ = ["Peers"]
 
@@ -24,8 +24,8 @@ __all__ = ["Peers"]
 class Peers:
     """One connection per peer address, reopened once it dropped. Thread-safe."""
 
-    def __init__(self, engine: TransferEngine, codec: MessageCodec, log: logging.Logger):
-        self.engine, self.codec, self.log = engine, codec, log
+    def __init__(self, engine: TransferEngine, messages: MessageSchema, log: logging.Logger):
+        self.engine, self.messages, self.log = engine, messages, log
         self._peers = PeerCache(engine)
 
     def connect(self, address: str) -> Peer:
@@ -35,9 +35,9 @@ class Peers:
         """Sends one control message; a failure is logged only, since the peer's own
         timeout covers a message that never arrives."""
         try:
-            self.engine.send(self.connect(address), self.codec.encode(kind, **fields))
+            self.engine.send(self.connect(address), self.messages.encode(kind, **fields))
         except Exception as exc:
-            self.log.warning("%s: could not send %s to %s: %s", self.codec.name, kind, address, exc)
+            self.log.warning("%s: could not send %s to %s: %s", self.messages.name, kind, address, exc)
 
     def is_from(self, message: Message, address: str) -> bool:
         """Whether ``message`` comes from the engine listening at ``address``."""

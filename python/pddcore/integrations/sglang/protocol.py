@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._messages import MessageCodec, is_bool, is_head_range, is_hex, is_int, is_str
+from .._messages import MessageSchema, is_bool, is_head_range, is_hex, is_int, is_str
 
 __all__ = ["MAGIC", "MESSAGES", "Registration"]
 
 MAGIC = b"PDDSGL1"
-MESSAGES = MessageCodec(MAGIC, "pddcore SGLang", key="room", key_check=is_int, kinds={
+MESSAGES = MessageSchema(MAGIC, "pddcore SGLang", key="room", key_check=is_int, kinds={
     "reg": {"d_rank": is_int, "d_tp": is_int, "region": is_hex, "offset": is_int, "seg_bytes": is_int,
             "num_pages": is_int, "src_heads": is_head_range, "aux_offset": is_int, "aux_index": is_int,
             "decode_prefix_len": is_int},

@@ -28,12 +28,12 @@ Example::
 
 from __future__ import annotations
 
-from .._messages import MessageCodec, is_head_range, is_hex, is_int, is_str
+from .._messages import MessageSchema, is_head_range, is_hex, is_int, is_str
 
 __all__ = ["MAGIC", "MESSAGES"]
 
 MAGIC = b"PDDVLLM1"
-MESSAGES = MessageCodec(MAGIC, "PDDConnector", key="req", key_check=is_str, kinds={
+MESSAGES = MessageSchema(MAGIC, "PDDConnector", key="req", key_check=is_str, kinds={
     "pull": {"d_req": is_str, "d_engine": is_str, "skip_blocks": is_int, "num_blocks": is_int, "d_tp": is_int, "src_heads": is_head_range,
              "region": is_hex, "offset": is_int, "seg_bytes": is_int, "reply": is_str},
     "done": {"src": is_int},
