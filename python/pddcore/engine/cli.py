@@ -34,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=60.0, help="how long a prefill keeps unpulled KV (default 60)")
     parser.add_argument("--pull-timeout-s", type=float, default=30.0, help="how long a decode waits for KV (default 30)")
     parser.add_argument("--served-model-name", default="pddcore-reference", help="the model name clients use")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM",
+                        help="this engine's certificate: the transfer engine runs mutual TLS with certificates "
+                             "(with --tls-key and --tls-ca; `pddcore certs` makes them); its common name is the "
+                             "engine's name, and PDDCORE_AUTH_TOKEN is then optional")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="the deployment's CA certificate: peers' certificates must verify against it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     set_num_threads(1)
     model = load_model({"path": args.model, "seed": args.seed, "dtype": args.dtype})
     token = os.environ.get("PDDCORE_AUTH_TOKEN") or None
-    transfer = TransferEngine(listen=args.transfer_listen or f"{args.host}:0", auth_token=token)
+    transfer = TransferEngine(listen=args.transfer_listen or f"{args.host}:0", auth_token=token,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     scheduler = Scheduler(model, pool_pages=args.pool_pages, page_size=args.page_size, transfer=transfer,
                           engine_id=f"{args.role}-{uuid.uuid4().hex[:12]}", lease_s=args.lease_s,
                           pull_timeout_s=args.pull_timeout_s)
