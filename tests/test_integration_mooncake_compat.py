@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pddcore.transfer_mooncake import MooncakeCompatEngine
+from pddcore.integrations.mooncake_compat import MooncakeCompatEngine
 
 TOKEN = b"mooncake-adapter-9d2c5f8a1e4b7036"
 

@@ -23,8 +23,8 @@ import logging
 import threading
 from typing import Any, Sequence
 
-from .peer_cache import PeerCache
-from .transfer import Peer, Region, RegionDescriptor, TransferEngine, TransferError
+from ..peer_cache import PeerCache
+from ..transfer import Peer, Region, RegionDescriptor, TransferEngine, TransferError
 
 __all__ = ["MooncakeCompatEngine"]
 
