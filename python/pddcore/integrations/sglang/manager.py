@@ -85,7 +85,9 @@ class PDDKVManager(BaseKVManager):
             self._use_heads(int(args.kv_head_num), int(args.total_kv_head_num))
         self.host = advertised_host()
         self.engine = TransferEngine(listen=f"{self.host}:0", auth_token=os.environ.get("PDDCORE_AUTH_TOKEN"),
-                                     insecure=os.environ.get("PDDCORE_INSECURE") == "1")
+                                     insecure=os.environ.get("PDDCORE_INSECURE") == "1",
+                                     tls_cert=os.environ.get("PDDCORE_TLS_CERT"),
+                                     tls_key=os.environ.get("PDDCORE_TLS_KEY"), tls_ca=os.environ.get("PDDCORE_TLS_CA"))
         self.staging = StagingPool(self.engine, self.device)
         self._aux_regions: list[Region] = []
         if self.mode == "prefill":

@@ -50,6 +50,8 @@ class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
         backend = extra.get("backend", "tcp")
         self.engine = TransferEngine(backend, listen=f"{self.listen_host}:{port}", auth_token=extra.get("auth_token"),
                                      insecure=bool(extra.get("insecure", False)),
+                                     tls_cert=extra.get("tls_cert"), tls_key=extra.get("tls_key"),
+                                     tls_ca=extra.get("tls_ca"),
                                      **({"device": extra["rdma_device"]} if "rdma_device" in extra else {}))
         self.gpudirect = bool(extra.get("gpudirect", False))
         self.address = f"{self.host}:{self.engine.address.rpartition(':')[2]}"
