@@ -231,7 +231,8 @@ class Worker:
 def make_worker(model_dir: Path, role: str, tp_rank: int = 0, tp: int = 1, heads: int = HEADS, *,
                 layout: str = "LBNHC", kernel_block: int | None = None, mla: bool = False, seed: int = 0,
                 extra: dict | None = None, engine_id: str | None = None, device: str = "cpu") -> Worker:
-    config = make_config(model_dir, role, {"tp_rank": tp_rank, "load_timeout_s": 30, **(extra or {})},
+    config = make_config(model_dir, role, {"tp_rank": tp_rank, "load_timeout_s": 30, "staging_bytes": 16 << 20,
+                                           **(extra or {})},
                          engine_id=engine_id)
     config.parallel_config.tensor_parallel_size = tp
     spec = attention_spec(heads, mla)
@@ -580,6 +581,66 @@ def test_pdd_consumers_keeps_the_kv_until_every_consumer_pulled(model_dir):
             consumer.conn.shutdown()
 
 
+def test_staging_is_allocated_at_start_never_in_the_save_path(model_dir, monkeypatch):
+    """Both workers allocate their staging arena when vLLM registers the KV caches; a save
+    (per-layer hooks and wait_for_save), a head-sliced pull with a prefix skipped (the producer's
+    scratch buffer) and the consumer's load then allocate no staging memory at all."""
+    pws = [make_worker(model_dir, "kv_producer", r, 2, HEADS // 2, seed=41 + r) for r in range(2)]
+    cw = make_worker(model_dir, "kv_consumer", seed=43)
+    real_empty, allocations = torch.empty, []
+
+    def recording_empty(*size, **kwargs):
+        t = real_empty(*size, **kwargs)
+        if t.dtype == torch.uint8 and t.numel() >= 64 << 10:  # a staging buffer's smallest size
+            allocations.append(t.numel())
+        return t
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    try:
+        p_blocks, d_blocks = [3, 8, 5], [12, 14]
+        for w in pws:
+            worker_step(w, PDDConnectorMetadata(saves={"p-req": p_blocks}), forward=True)
+            worker_step(w, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+        params = dict(pushed_params(pws[0], "p-req", p_blocks), pdd_addresses=[w.conn.address for w in pws], tp_size=2,
+                      pdd_pushed=False)
+        cw.conn.bind_connector_metadata(PDDConnectorMetadata(loads={"d-req": _Load(d_blocks, 1, params)}))
+        cw.conn.start_load_kv(None)
+        cw.conn.clear_connector_metadata()
+        results, errors = drive([w.conn for w in pws + [cw]], lambda r, e: r[2].finished_recving)
+        assert not results[2].failed_recving and not errors[2]
+        want = [torch.cat(parts, dim=2) for parts in zip(*(w.blocks(p_blocks[1:]) for w in pws))]
+        assert as_bytes(cw.blocks(d_blocks)) == as_bytes(want)
+        assert allocations == []
+    finally:
+        for w in pws + [cw]:
+            w.conn.shutdown()
+
+
+def test_a_request_the_staging_arena_cannot_hold_fails_its_load_with_the_reason(model_dir, caplog):
+    """A producer whose arena (staging_bytes: 64 KiB) cannot hold a 12-block request saves it
+    without raising into the forward, and the consumer's load fails saying why; a request that
+    fits is served by the same producer afterwards."""
+    pw = make_worker(model_dir, "kv_producer", seed=44, extra={"staging_bytes": 64 << 10})
+    cw = make_worker(model_dir, "kv_consumer", seed=45)
+    try:
+        big, small = list(range(12)), [3, 8]
+        assert pw.conn.layout.packed_nbytes(len(big)) > 64 << 10 >= pw.conn.layout.packed_nbytes(len(small))
+        worker_step(pw, PDDConnectorMetadata(saves={"p-big": big}), forward=True)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-big": 60.0}))
+        pull(cw, "d-big", dict(pushed_params(pw, "p-big", big), pdd_pushed=False), list(range(12, 24)))
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
+        assert results[1].failed_recving == {"d-big"} and errors[1] == set(range(12, 24))
+        assert any("staging_bytes" in r.getMessage() and "d-big" in r.getMessage() for r in caplog.records)
+        worker_step(pw, PDDConnectorMetadata(saves={"p-small": small}), forward=True)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-small": 60.0}))
+        pull(cw, "d-small", dict(pushed_params(pw, "p-small", small), pdd_pushed=False), [20, 22])
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
+        assert not results[1].failed_recving and as_bytes(cw.blocks([20, 22])) == as_bytes(pw.blocks(small))
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
 def test_consumer_load_times_out_and_reports_blocks(model_dir):
     consumer = make_worker(model_dir, "kv_consumer", extra={"load_timeout_s": 0.2}).conn
     try:
@@ -916,7 +977,7 @@ def test_push_posts_each_layer_from_save_kv_layer_while_the_forward_runs(model_d
     try:
         meta = PDDConnectorMetadata(saves={"p-req": [3, 8, 5]}, pushes={"p-req": [cw.conn.address]})
         forward(pw, meta, range(1))
-        target = pw.conn._staged["p-req"].push.targets[0]
+        target = pw.conn._pushes["p-req"].targets[0]
         assert target.stream is None and not target.posted  # no answer yet: layer 0 waits, the forward goes on
         drive([cw.conn], lambda r, e: pw.conn.engine.stats()["messages_received"] >= 1)  # the consumer answered
         forward(pw, meta, range(1, 2))
@@ -958,7 +1019,7 @@ def test_layers_pushed_before_the_consumer_saw_the_request_are_kept_and_used(mod
     try:
         consumers = [w.conn.address for w in cws]
         worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}, pushes={"p-req": consumers}), forward=True)
-        assert len(pw.conn._staged["p-req"].push.targets) == d_tp
+        assert len(pw.conn._pushes["p-req"].targets) == d_tp
         worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
         stream = (pw.conn.engine.engine_id, b"p-req")
         drive([pw.conn] + [w.conn for w in cws], lambda r, e: not pw.conn._staged and all(
@@ -1070,24 +1131,19 @@ def test_another_engines_stream_of_the_same_key_is_ignored(model_dir):
 
 
 def test_a_refused_push_falls_back_to_a_pull(model_dir):
-    """The consumer has no push buffer to give (its pinned memory ran out): it refuses the push,
-    and its load pulls the KV from the producer, which kept its staged copy for that pull."""
+    """The consumer has no push buffer to give (its staging arena is held by a load in flight):
+    it refuses the push, and its load pulls the KV from the producer, which kept its staged copy
+    for that pull."""
     pw = make_worker(model_dir, "kv_producer", seed=63)
-    cw = make_worker(model_dir, "kv_consumer", seed=64)
-    acquire, refused = cw.conn.staging.acquire, []
-
-    def no_push_buffer(nbytes: int, *, target: bool = False):
-        if target and not refused:  # the first target buffer asked for: the push buffer
-            refused.append(nbytes)
-            raise RuntimeError("CUDA out of pinned memory")
-        return acquire(nbytes, target=target)
-
-    cw.conn.staging.acquire = no_push_buffer
+    cw = make_worker(model_dir, "kv_consumer", seed=64, extra={"staging_bytes": 64 << 10})
+    held = cw.conn.staging.acquire(1, target=True)  # the whole arena: one 64 KiB buffer
     try:
         p_blocks, d_blocks = [3, 8, 5], [10, 12, 14]
         worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}, pushes={"p-req": [cw.conn.address]}),
                     forward=True)
-        drive([pw.conn, cw.conn], lambda r, e: pw.conn._staged["p-req"].push.targets[0].ended)  # refused
+        drive([pw.conn, cw.conn], lambda r, e: pw.conn._pushes["p-req"].targets[0].ended)  # refused
+        assert cw.conn._reservations[(pw.conn.engine.engine_id, b"p-req")].failure.startswith("no push buffer: ")
+        cw.conn.staging.release(held)  # that load ended
         worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
         assert "p-req" in pw.conn._staged  # kept for the pull the consumer falls back to
         worker_step(cw, PDDConnectorMetadata(loads={"d-req": _Load(d_blocks, 0, pushed_params(pw, "p-req", p_blocks))}))

@@ -5,6 +5,7 @@ Example::
 
     kv_device(kv_args, server_args)    # device(type='cuda', index=kv_args.gpu_id), or cpu
     advertised_host()                  # $PDDCORE_SGLANG_HOST, else SGLang's local IP
+    staging_bytes()                    # $PDDCORE_SGLANG_STAGING_BYTES, else 4 GiB
     mode_name(DisaggregationMode.PREFILL)   # 'prefill'
 """
 
@@ -18,9 +19,12 @@ import torch
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.utils.network import get_local_ip_auto
 
-__all__ = ["HOST_ENV", "kv_device", "advertised_host", "mode_name", "check_supported"]
+__all__ = ["HOST_ENV", "STAGING_ENV", "kv_device", "advertised_host", "staging_bytes", "mode_name",
+           "check_supported"]
 
 HOST_ENV = "PDDCORE_SGLANG_HOST"
+STAGING_ENV = "PDDCORE_SGLANG_STAGING_BYTES"
+DEFAULT_STAGING_BYTES = 4 << 30
 
 
 def kv_device(kv_args: KVArgs, server_args: Any) -> torch.device:
@@ -41,6 +45,22 @@ def advertised_host() -> str:
     if host in ("0.0.0.0", "::"):
         raise ValueError(f"{HOST_ENV}={host} is a wildcard; peers need an address of this machine they can reach")
     return host
+
+
+def staging_bytes() -> int:
+    """The size of each rank's staging arena, allocated (pinned, for GPU KV) when the manager
+    starts: ``$PDDCORE_SGLANG_STAGING_BYTES``, else 4 GiB. It holds the packed chunks a prefill
+    rank has in flight, and the whole of each request a decode rank is receiving."""
+    value = os.environ.get(STAGING_ENV)
+    if value is None:
+        return DEFAULT_STAGING_BYTES
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ValueError(f"{STAGING_ENV}={value!r} must be a positive number of bytes")
+    return size
 
 
 def mode_name(mode: Any) -> str:

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 from sglang.srt.environ import envs
@@ -26,17 +26,25 @@ from .._messages import MalformedMessage
 from .._peers import Peers
 from .._staging import StagingPool
 from .bootstrap import PrefillInfo, bootstrap_url, fetch_prefill_info, register_prefill_rank
-from .config import advertised_host, check_supported, kv_device, mode_name
+from .config import STAGING_ENV, advertised_host, check_supported, kv_device, mode_name, staging_bytes
 from .protocol import MESSAGES, Registration
 
-if TYPE_CHECKING:
-    from .receiver import PDDKVReceiver
-
-__all__ = ["PDDKVManager", "RoomInbox"]
+__all__ = ["PDDKVManager", "RoomInbox", "RoomListener"]
 
 log = logging.getLogger(__name__)
 
 _PUMP_WAIT_S = 0.02
+
+
+class RoomListener(Protocol):
+    """What the manager's message thread calls on the decode side of a room (a
+    :class:`~.receiver.PDDKVReceiver`), so that the manager needs nothing else of it."""
+
+    def prefill_address(self, src_rank: int) -> str | None:
+        """The engine address of prefill rank ``src_rank``, once known: only its chunk notices count."""
+
+    def on_inbox_changed(self) -> None:
+        """A message for the room was filed in its inbox."""
 
 
 @dataclass
@@ -88,7 +96,11 @@ class PDDKVManager(BaseKVManager):
                                      insecure=os.environ.get("PDDCORE_INSECURE") == "1",
                                      tls_cert=os.environ.get("PDDCORE_TLS_CERT"),
                                      tls_key=os.environ.get("PDDCORE_TLS_KEY"), tls_ca=os.environ.get("PDDCORE_TLS_CA"))
-        self.staging = StagingPool(self.engine, self.device)
+        try:
+            self.staging = StagingPool(self.engine, self.device, staging_bytes(), name=f"pddcore staging ({STAGING_ENV})")
+        except Exception:
+            self.engine.close()
+            raise
         self._aux_regions: list[Region] = []
         if self.mode == "prefill":
             self._aux_regions = [self.engine.register_pointer(p, n)
@@ -97,7 +109,7 @@ class PDDKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._rooms: dict[int, RoomInbox] = {}
-        self._receivers: dict[int, PDDKVReceiver] = {}
+        self._receivers: dict[int, RoomListener] = {}
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_messages, name=f"pdd-{self.mode}-{self.rank}", daemon=True)
         self._pump.start()
@@ -159,7 +171,7 @@ class PDDKVManager(BaseKVManager):
         of a failed request can be reused at once."""
         return True
 
-    def submit_prefill_recompute(self, receiver: "PDDKVReceiver", payload: Any) -> None:
+    def submit_prefill_recompute(self, receiver: Any, payload: Any) -> None:
         """PD rebootstrap (retracted requests recomputed by the prefill) is not implemented:
         the request fails with that reason instead of waiting forever."""
         receiver.abort("the pddcore backend does not support PD rebootstrap (retract and recompute)")
@@ -169,7 +181,7 @@ class PDDKVManager(BaseKVManager):
         with self._lock:
             return self._rooms.setdefault(room, RoomInbox())
 
-    def add_receiver(self, room: int, receiver: "PDDKVReceiver") -> None:
+    def add_receiver(self, room: int, receiver: RoomListener) -> None:
         """Routes ``room``'s chunk notices to ``receiver`` and wakes it on every message."""
         with self._lock:
             self._receivers[room] = receiver

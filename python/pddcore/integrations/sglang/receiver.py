@@ -12,7 +12,6 @@ The staging buffer: one segment per prefill rank it pulls from, then the aux ite
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import threading
@@ -27,7 +26,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 from ...pack import unpack
 from .._device import on_device, wait_for_stream
 from .._heads import head_slices
-from .._staging import StagingBuffer
+from .._staging import StagingBuffer, StagingExhausted
 from .manager import PDDKVManager
 from .states import TERMINAL, PDDTransferError, state_indices_reason
 
@@ -143,7 +142,11 @@ class PDDKVReceiver(BaseKVReceiver):
             offset += nbytes
         aux_bytes = sum(mgr.kv_args.aux_item_lens) if aux_index is not None else 0
         self._aux_offset = offset if aux_bytes else -1
-        self._staging = mgr.staging.acquire(max(offset + aux_bytes, 1), target=True)
+        try:
+            self._staging = mgr.staging.acquire(max(offset + aux_bytes, 1), target=True)
+        except StagingExhausted as exc:
+            with self._done_lock:
+                return self._fail(str(exc))
         self._pages, self._aux_index = pages, aux_index
         self._state = KVPoll.Transferring
         region = self._staging.region.descriptor().hex()
@@ -202,11 +205,10 @@ class PDDKVReceiver(BaseKVReceiver):
             return
         self._failure, self._state = reason, KVPoll.Failed
         if self._staging is not None:
-            # A prefill write may still be on its way: unregistering makes the engine reject it,
-            # and the buffer does not go back to the pool, where another request would get it.
-            # Its memory stays referenced until clear(), past any write already being applied.
-            with contextlib.suppress(ValueError):  # the region is gone already
-                self.kv_mgr.engine.unregister(self._staging.region)
+            # A prefill write may still be on its way: the pool withdraws the registration (the
+            # engine then rejects it) before another request gets the buffer.
+            staging, self._staging = self._staging, None
+            self.kv_mgr.staging.discard(staging)
         if tell_peers:
             self._tell_peers(reason)
 

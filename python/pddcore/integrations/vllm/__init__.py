@@ -1,9 +1,9 @@
 """vLLM KV connector on pddcore (built and tested against vllm 0.33.0's ``KVConnectorBase_V1``).
 
 The connector (:mod:`.connector`) runs as a scheduler (:mod:`.scheduler`) and as workers
-(:mod:`.worker`: :mod:`.producer` on the prefill side, :mod:`.consumer` on the decode side,
-with :mod:`.push_producer` and :mod:`.push_consumer` in push mode), which exchange the
-messages of :mod:`.protocol`.
+(:mod:`.worker`), which exchange the messages of :mod:`.protocol`. A worker's halves derive
+from one base (:mod:`.base_worker`): :mod:`.producer` on the prefill side and :mod:`.consumer`
+on the decode side, each extended by push mode (:mod:`.push_producer`, :mod:`.push_consumer`).
 
 Load it the standard way::
 
@@ -67,8 +67,12 @@ KV caches: whatever vLLM's ``allocate_kv_cache`` gives, in any ``VLLM_KV_CACHE_L
 side by side in each row; MLA: one latent of ``head_size``), kernel-block splitting
 included. The bytes on the wire are pddcore's canonical packed order, so the two sides
 may use different layouts, block splits and TP sizes. Staging buffers come from a
-:class:`~pddcore.integrations._staging.StagingPool`: pinned host memory when the KV is on a
-GPU, registered once and reused.
+:class:`~pddcore.integrations._staging.StagingPool`: one arena of ``staging_bytes``, allocated
+when the KV caches are registered (pinned host memory when the KV is on a GPU), never while a
+forward runs; its buffers are registered once and reused. A request the arena has no room for
+is not staged: its consumers' loads fail with the reason (vLLM then applies its
+``kv_load_failure_policy``), and a push buffer the consumer has no room for is refused, so the
+KV is pulled.
 
 ``kv_connector_extra_config`` keys: ``host`` (listen address; default: this host's IP as
 vLLM's ``get_ip()`` finds it, which honours ``VLLM_HOST_IP``), ``advertise_host`` (the
@@ -76,7 +80,9 @@ address peers connect to, when it differs from ``host``; ``0.0.0.0`` is never
 advertised), ``port`` (base port; TP rank r of data-parallel rank d, d counted on this host, listens on
 port + d * tp_size + r; default: any free port, published through the handshake metadata), ``lease_s`` (producer keeps unsent KV, and a
 consumer an unclaimed push buffer, this long; default 60), ``load_timeout_s`` (consumer
-gives up, default 60), ``auth_token`` (the same on every producer and consumer; required
+gives up, default 60), ``staging_bytes`` (the staging arena of each worker, default 4 GiB:
+on a producer it holds the staged copy of every request not yet pulled, on a consumer every
+load and push buffer in flight), ``auth_token`` (the same on every producer and consumer; required
 unless ``host`` is a loopback address or ``insecure`` is true: without it anybody who
 reaches the port could write into staging buffers),
 ``backend`` (``"tcp"``, default, or ``"rdma"``), ``rdma_device`` (e.g. ``"mlx5_0"``),

@@ -4,9 +4,9 @@ a ``pull`` (blocks to skip: the decode side's own prefix-cache hit; head range w
 sizes differ). The request's blocks are unpacked only once every producer rank's write
 was verified and applied, then reported in ``finished_recving``; a failure reports its
 blocks through ``get_block_ids_with_load_errors`` (and the request in ``failed_recving``),
-so vLLM never reads a half-written block. A request whose KV the producer pushed
-(``pdd_pushed``) is loaded from its push buffer instead (:mod:`.push_consumer`), and pulled
-after all when that push failed.
+so vLLM never reads a half-written block. Push mode (:mod:`.push_consumer`) derives from
+this class: a request whose KV the producer pushed (``pdd_pushed``) is loaded from its push
+buffer instead, and pulled after all when that push failed.
 
 The staging buffer holds one segment per producer rank, in the order of the sources::
 
@@ -28,8 +28,8 @@ from .._device import on_kv_device, record_event
 from .._heads import head_slices
 from .._messages import MalformedMessage
 from .._staging import StagingBuffer
+from .base_worker import Handler, WorkerBase
 from .metadata import PDDConnectorMetadata, _Load
-from .push_consumer import _PushedLoad
 
 __all__ = ["ConsumerWorker"]
 
@@ -58,18 +58,26 @@ class _PendingLoad:
     segments: list[_Segment] = field(default_factory=list)
     staging: StagingBuffer | None = None
     done_sources: set[int] = field(default_factory=set)
-    pushed: _PushedLoad | None = None      # push mode: loaded from the producer's stream
 
 
-class ConsumerWorker:
-    """The consumer's worker methods; :class:`~.worker.WorkerSide` supplies the engine,
-    ``layout``, ``staging``, ``_peers`` and the ``_finished_recving`` / ``_failed_recving`` sets."""
+class ConsumerWorker(WorkerBase):
+    """The consumer's worker methods. Push mode overrides the hooks :meth:`_start`,
+    :meth:`_unpack_load` and :meth:`_release_staging`."""
 
-    def _init_consumer(self) -> None:
+    def _init_worker(self, extra: dict) -> None:
+        super()._init_worker(extra)
         self._pending_loads: dict[str, _PendingLoad] = {}
         self._load_errors: set[int] = set()
         # Loads reported finished whose unpack may still run: (event after it, load, scratch buffer).
         self._unpacking: list[tuple[Any, _PendingLoad, StagingBuffer | None]] = []
+
+    def _message_handlers(self) -> dict[str, Handler]:
+        return {**super()._message_handlers(), "done": self._on_done, "fail": self._on_fail}
+
+    def _progress(self) -> None:
+        self._expire_loads()
+        self._release_unpacked()
+        super()._progress()
 
     @on_kv_device
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -82,13 +90,14 @@ class ConsumerWorker:
                                  d_engine=self.engine_id)
         for req_id, load in meta.loads.items():
             try:
-                if load.params.get("pdd_pushed"):
-                    self._start_pushed_load(req_id, load)
-                else:
-                    self._start_load(req_id, load)
+                self._start(req_id, load)
             except Exception as exc:
                 log.warning("PDDConnector: load of %s failed to start: %s", req_id, exc)
                 self._fail_load(req_id, load.local_block_ids)
+
+    def _start(self, req_id: str, load: _Load) -> None:
+        """Starts ``load``: a pull."""
+        self._start_load(req_id, load)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete between steps: a block is handed to vLLM only once whole
@@ -139,22 +148,6 @@ class ConsumerWorker:
                              region=pending.staging.region.descriptor().hex(), offset=seg.offset,
                              seg_bytes=seg.nbytes, reply=self.address)
 
-    def _start_pushed_load(self, req_id: str, load: _Load) -> None:
-        """A load of KV the producer pushes: from its rank this rank's heads come from (the
-        rank of the same index; with MLA, as for a pull), under its request id as the key."""
-        params, remote_blocks = load.params, self._remote_blocks(load)
-        addresses = self._producer_addresses(params)
-        if not self.layout.is_mla and len(addresses) != self.tp_size:
-            raise ValueError(f"pushed KV needs equal TP sizes (or MLA); the producer has {len(addresses)} ranks, "
-                             f"this consumer {self.tp_size}")
-        producer = self._peers.connect(addresses[self.tp_rank % len(addresses)])
-        pushed = _PushedLoad((producer.engine_id, str(params["remote_request_id"]).encode()),
-                             load.skip_blocks * self.pages_per_block, remote_blocks * self.pages_per_block)
-        pending = _PendingLoad(req_id, load.local_block_ids, self._pages(load.local_block_ids), time.monotonic(),
-                               load, pushed=pushed)
-        self._pending_loads[req_id] = pending
-        self._claim_push(pending)
-
     def _on_done(self, message: Message, msg: dict) -> None:
         """Data applied: believed only as the write notification of the producer rank asked."""
         req = msg["req"]
@@ -184,8 +177,9 @@ class ConsumerWorker:
         log.warning("PDDConnector: load of %s failed: %s", req, msg["reason"])
         self._fail_load(req, pending.block_ids)
 
-    def _fail_named_load(self, req: Any, reason: str) -> None:
+    def _on_malformed(self, req: Any, reason: str) -> None:
         """Fails the pending load a malformed message names (``req``: None when it named none)."""
+        super()._on_malformed(req, reason)
         if isinstance(req, str) and req in self._pending_loads:
             log.warning("PDDConnector: load of %s failed: %s", req, reason)
             self._fail_load(req, self._pending_loads[req].block_ids)
@@ -196,18 +190,6 @@ class ConsumerWorker:
             if now - pending.started > self.load_timeout_s:
                 log.warning("PDDConnector: load of %s timed out", req_id)
                 self._fail_load(req_id, pending.block_ids)
-
-    def _pull_instead(self, pending: _PendingLoad, reason: str) -> None:
-        """The push of ``pending`` failed: the producer keeps its staged copy for a pull (the
-        push's share stays open), so pull it; a failed pull fails the load."""
-        log.warning("PDDConnector: push of %s failed (%s); pulling it", pending.req_id, reason)
-        self._release_staging(pending)
-        del self._pending_loads[pending.req_id]
-        try:
-            self._start_load(pending.req_id, pending.load)
-        except Exception as exc:
-            log.warning("PDDConnector: load of %s failed to start: %s", pending.req_id, exc)
-            self._fail_load(pending.req_id, pending.block_ids)
 
     def _fail_load(self, req_id: str, block_ids: list[int]) -> None:
         pending = self._pending_loads.pop(req_id, None)
@@ -221,17 +203,19 @@ class ConsumerWorker:
         """Queues the unpack and reports the load finished without waiting for it: the forward
         that reads the blocks is queued after it on the same stream. The buffers it reads go
         back once an event after it completed (:meth:`_release_unpacked`)."""
-        scratch = None
-        if pending.pushed is not None:
-            scratch = self._unpack_pushed(pending)
-        else:
-            staging = pending.staging.tensor
-            for seg in pending.segments:
-                unpack(self.layout, pending.pages, staging[seg.offset:seg.offset + seg.nbytes], heads=seg.dst_heads)
+        scratch = self._unpack_load(pending)
         del self._pending_loads[pending.req_id]
         self._finished_recving.add(pending.req_id)
         self._unpacking.append((record_event(self.kv_device), pending, scratch))
         self._release_unpacked()
+
+    def _unpack_load(self, pending: _PendingLoad) -> StagingBuffer | None:
+        """Queues the unpack of every producer rank's segment into the load's blocks; returns
+        the scratch buffer it reads besides the load's staging (None: none)."""
+        staging = pending.staging.tensor
+        for seg in pending.segments:
+            unpack(self.layout, pending.pages, staging[seg.offset:seg.offset + seg.nbytes], heads=seg.dst_heads)
+        return None
 
     def _release_unpacked(self) -> None:
         """Returns the staging of every load whose unpack ran."""
@@ -246,8 +230,7 @@ class ConsumerWorker:
         self._unpacking = running
 
     def _release_staging(self, pending: _PendingLoad) -> None:
+        """Returns the buffers ``pending`` holds (its load ended, or its unpack ran)."""
         if pending.staging is not None:
             self.staging.release(pending.staging)
             pending.staging = None
-        if pending.pushed is not None:
-            self._free_reservation(pending.pushed.stream)

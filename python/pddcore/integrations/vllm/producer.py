@@ -2,8 +2,8 @@
 ``save_kv_layer`` packs each layer of a request whose prefill completes this step into a
 staging buffer (:class:`_Staged`, layer-major) as the forward proceeds; each consumer rank's
 ``pull`` is answered by writing its blocks (head-sliced when the TP sizes differ) into the
-consumer's staging buffer with a ``done`` notification. In push mode each packed layer is
-also streamed to the consumer at once (:mod:`.push_producer`). The staged copy is kept until
+consumer's staging buffer with a ``done`` notification. Push mode (:mod:`.push_producer`)
+derives from this class and streams each packed layer at once. The staged copy is kept until
 every consumer it expects (``pdd_consumers`` in the request's ``kv_transfer_params``, default
 1) was served, or dropped it, or its lease ran out. A consumer is one engine (its ``d_engine``,
 vLLM's ``engine_id``, shared by its ranks) pulling one request (``d_req``); it is served once
@@ -31,14 +31,14 @@ from ...transfer import Message, Transfer
 from .._device import on_kv_device, record_event, wait_for_stream
 from .._heads import destinations_of
 from .._messages import MalformedMessage
-from .._staging import StagingBuffer, StagingPool
+from .._staging import StagingBuffer, StagingExhausted, StagingPool
+from .base_worker import Handler, WorkerBase
 from .layer_major import layer_major_layout, layer_offsets
 from .metadata import PDDConnectorMetadata
 from .protocol import MESSAGES
-from .push_producer import _Push
 from .shares import Share
 
-__all__ = ["ProducerWorker"]
+__all__ = ["ProducerWorker", "_Staged"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,6 @@ class _Staged:
     deadline: float | None = None
     consumers: int = 1
     shares: dict[tuple[str, str], Share] = field(default_factory=dict)
-    push: _Push | None = None
 
     @property
     def num_pages(self) -> int:
@@ -85,14 +84,36 @@ class _Staged:
         return sum(s.complete and not s.superseded for s in self.shares.values()) >= self.consumers
 
 
-class ProducerWorker:
-    """The producer's worker methods; :class:`~.worker.WorkerSide` supplies the engine,
-    ``layout``, ``staging`` and ``_peers``."""
+class ProducerWorker(WorkerBase):
+    """The producer's worker methods. Push mode overrides the hooks :meth:`_staged_started`,
+    :meth:`_layer_packed`, :meth:`_saved` and :meth:`_staged_dropped`, which do nothing here."""
 
-    def _init_producer(self) -> None:
+    def _init_worker(self, extra: dict) -> None:
+        super()._init_worker(extra)
         self._staged: dict[str, _Staged] = {}          # req -> packed KV
+        self._unstaged: dict[str, tuple[str, float]] = {}   # req -> why it has no staged copy, until when
         self._pulls: dict[str, list[tuple[str, dict]]] = {}   # req -> pull requests not served yet
         self._serving: dict[str, list[tuple[Transfer, StagingBuffer | None, dict]]] = {}
+
+    def _message_handlers(self) -> dict[str, Handler]:
+        return {**super()._message_handlers(), "pull": self._on_pull, "drop": self._on_drop}
+
+    def _progress(self) -> None:
+        self._progress_sends()
+        super()._progress()
+
+    def _staged_started(self, req_id: str, staged: _Staged, meta: PDDConnectorMetadata) -> None:
+        """A fresh staged copy of ``req_id`` for this step's save."""
+
+    def _layer_packed(self, layer: int, req_ids: list[str]) -> None:
+        """``save_kv_layer`` queued the pack of ``layer`` for ``req_ids``."""
+
+    def _saved(self, req_id: str, staged: _Staged, late_layers: list[int]) -> None:
+        """``wait_for_save`` queued the last packs of ``req_id`` (``late_layers``, which no
+        ``save_kv_layer`` saw), and ``staged.packs_done`` follows them."""
+
+    def _staged_dropped(self, req_id: str, staged: _Staged) -> None:
+        """The staged copy of ``req_id`` goes (its buffer is released after this)."""
 
     @on_kv_device
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
@@ -100,25 +121,33 @@ class ProducerWorker:
         if not isinstance(meta, PDDConnectorMetadata) or not meta.saves or layer_name not in self._layer_index:
             return
         layer = self._layer_index[layer_name]
-        pushing = []
+        packed = []
         for req_id, block_ids in meta.saves.items():
             staged = self._staged_for_step(req_id, block_ids, meta)
-            self._pack_layer(staged, layer)
-            if staged.push is not None:
-                pushing.append((req_id, staged))
-        if pushing:
-            self._push_packed_layer(layer, pushing)
+            if staged is not None:
+                self._pack_layer(staged, layer)
+                packed.append(req_id)
+        if packed:
+            self._layer_packed(layer, packed)
 
-    def _staged_for_step(self, req_id: str, block_ids: list[int], meta: PDDConnectorMetadata) -> _Staged:
-        """The copy this step's save of ``req_id`` fills, staged from this step's blocks."""
+    def _staged_for_step(self, req_id: str, block_ids: list[int], meta: PDDConnectorMetadata) -> _Staged | None:
+        """The copy this step's save of ``req_id`` fills, staged from this step's blocks; None
+        when the staging arena has no room for it (its consumers are then told why)."""
+        if req_id in self._unstaged:
+            return None
         staged = self._staged.get(req_id)
         if staged is None or staged.saved:  # a copy from an earlier step names blocks the request may have lost
             if staged is not None:
                 self._drop_send(req_id)
-            staged = self._staged[req_id] = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
+            try:
+                staged = _Staged.allocate(self.layout, self._pages(block_ids), self.staging)
+            except StagingExhausted as exc:
+                log.warning("PDDConnector: %s is not staged, its consumers will fail to load it: %s", req_id, exc)
+                self._unstaged[req_id] = (str(exc), float("inf"))  # told to pulls until its lease ends
+                return None
+            self._staged[req_id] = staged
             staged.consumers = meta.consumers.get(req_id, 1)
-            if req_id in meta.pushes:
-                self._start_push(req_id, staged, meta.pushes[req_id])
+            self._staged_started(req_id, staged, meta)
         return staged
 
     def _pack_layer(self, staged: _Staged, layer: int) -> None:
@@ -145,21 +174,23 @@ class ProducerWorker:
             return
         for req_id, block_ids in meta.saves.items():
             staged = self._staged_for_step(req_id, block_ids, meta)
+            if staged is None:
+                continue
             missing = [layer for layer in range(self.layout.num_layers) if layer not in staged.packed]
             for layer in missing:
                 self._pack_layer(staged, layer)
             staged.packs_done, staged.saved = record_event(self.kv_device), True
-            if staged.push is not None:
-                staged.push.packed.update(dict.fromkeys(missing, staged.packs_done))
+            self._saved(req_id, staged, missing)
         for req_id in meta.saves:
-            staged = self._staged[req_id]
-            if staged.push is not None:
-                self._post_packed_layers(req_id, staged)
             self._serve(req_id)
         for req_id, lease in meta.send_deadlines.items():
             if req_id in self._staged:
                 self._staged[req_id].deadline = time.monotonic() + lease
                 self._finish_if_served(req_id)  # consumers may have been served within the last step
+            elif req_id in self._unstaged:
+                self._unstaged[req_id] = (self._unstaged[req_id][0], time.monotonic() + lease)
+        for req_id in meta.dropped_sends:
+            self._unstaged.pop(req_id, None)
         for req_id in meta.dropped_sends:
             self._drop_send(req_id)
 
@@ -171,7 +202,10 @@ class ProducerWorker:
             raise MalformedMessage(f"pull from {message.sender} names another engine ({msg['reply']}) to answer", req)
         staged = self._staged.get(req)
         if staged is None:
-            self._peers.send(msg["reply"], "fail", req=msg["d_req"], reason=f"producer has no KV for {req}")
+            reason = f"producer has no KV for {req}"
+            if req in self._unstaged:
+                reason += f": {self._unstaged[req][0]}"
+            self._peers.send(msg["reply"], "fail", req=msg["d_req"], reason=reason)
             return
         if msg["d_tp"] <= 0:
             raise MalformedMessage(f"pull for {req}: d_tp={msg['d_tp']}", req)
@@ -234,8 +268,7 @@ class ProducerWorker:
     def _drop_send(self, req_id: str) -> None:
         staged = self._staged.pop(req_id, None)
         if staged is not None:
-            if staged.push is not None:
-                self._stop_push(req_id, staged)
+            self._staged_dropped(req_id, staged)
             self.staging.release(staged.buffer)
         self._pulls.pop(req_id, None)
 
@@ -260,6 +293,9 @@ class ProducerWorker:
             if staged.deadline is not None and now > staged.deadline and req_id not in self._serving:
                 log.warning("PDDConnector: lease of %s expired before a consumer pulled it", req_id)
                 self._drop_send(req_id)
+        for req_id, (_, until) in list(self._unstaged.items()):
+            if now > until:
+                del self._unstaged[req_id]
 
     def _finish_if_served(self, req_id: str) -> None:
         """Frees the staged copy once every consumer it expects

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,11 +32,11 @@ from ...pack import pack, unpack
 from ...streaming import LayerStreamReceiver, StreamError, decode_notification
 from ...transfer import Message, TransferError
 from .._messages import MalformedMessage
-from .._staging import StagingBuffer
+from .._staging import StagingBuffer, StagingExhausted
+from .base_worker import Handler
+from .consumer import ConsumerWorker, _PendingLoad
 from .layer_major import layer_major_layout
-
-if TYPE_CHECKING:
-    from .consumer import _PendingLoad
+from .metadata import _Load
 
 __all__ = ["PushConsumer"]
 
@@ -71,13 +70,45 @@ class _Reservation:
     load: str | None = None           # the consumer request that claimed it
 
 
-class PushConsumer:
-    """The consumer's push-mode methods; :class:`~.worker.WorkerSide` supplies the engine,
-    ``layout``, ``staging``, ``_peers``, ``lease_s`` and, through
-    :class:`~.consumer.ConsumerWorker`, the pending loads with ``_finish_load`` and ``_fail_load``."""
+class PushConsumer(ConsumerWorker):
+    """The consumer with push mode: push buffers for producers, and the loads of pushed KV
+    (``pdd_pushed``) taken from them; every other load is pulled as in
+    :class:`~.consumer.ConsumerWorker`."""
 
-    def _init_push_consumer(self) -> None:
+    def _init_worker(self, extra: dict) -> None:
+        super()._init_worker(extra)
         self._reservations: dict[StreamId, _Reservation] = {}
+        self._pushed: dict[str, _PushedLoad] = {}   # consumer req -> the stream its load takes
+
+    def _message_handlers(self) -> dict[str, Handler]:
+        return {**super()._message_handlers(), "reserve": self._on_reserve, "stream_failed": self._on_stream_failed}
+
+    def _on_notification(self, message: Message) -> bool:
+        return self._on_stream_notification(message) or super()._on_notification(message)
+
+    def _progress(self) -> None:
+        super()._progress()
+        self._expire_reservations()
+
+    def _start(self, req_id: str, load: _Load) -> None:
+        """A load of KV the producer pushes: from its rank this rank's heads come from (the
+        rank of the same index; with MLA, as for a pull), under its request id as the key."""
+        if not load.params.get("pdd_pushed"):
+            super()._start(req_id, load)
+            return
+        params, remote_blocks = load.params, self._remote_blocks(load)
+        addresses = self._producer_addresses(params)
+        if not self.layout.is_mla and len(addresses) != self.tp_size:
+            raise ValueError(f"pushed KV needs equal TP sizes (or MLA); the producer has {len(addresses)} ranks, "
+                             f"this consumer {self.tp_size}")
+        producer = self._peers.connect(addresses[self.tp_rank % len(addresses)])
+        pending = _PendingLoad(req_id, load.local_block_ids, self._pages(load.local_block_ids), time.monotonic(),
+                               load)
+        self._pending_loads[req_id] = pending
+        self._pushed[req_id] = _PushedLoad((producer.engine_id, str(params["remote_request_id"]).encode()),
+                                           load.skip_blocks * self.pages_per_block,
+                                           remote_blocks * self.pages_per_block)
+        self._claim_push(pending)
 
     def _on_reserve(self, message: Message, msg: dict) -> None:
         key, reply = msg["req"], msg["reply"]
@@ -91,7 +122,7 @@ class PushConsumer:
         if problem is None:
             try:
                 buffer = self.staging.acquire(msg["nbytes"], target=True)
-            except (RuntimeError, TransferError) as exc:  # out of (pinned) memory, or registration refused
+            except (StagingExhausted, TransferError) as exc:  # the arena is full, or registration refused
                 problem = f"no push buffer: {exc}"
         reservation = self._reservations[stream] = _Reservation(
             reply, msg["nbytes"], msg["num_layers"], time.monotonic() + self.lease_s, buffer, failure=problem)
@@ -99,9 +130,9 @@ class PushConsumer:
             self._peers.send(reply, "refused", req=key, reason=problem)
         else:
             self._peers.send(reply, "reserved", req=key, region=reservation.buffer.region.descriptor().hex(), offset=0)
-        waiting = next((p for p in self._pending_loads.values() if p.pushed and p.pushed.stream == stream), None)
+        waiting = next((req for req, pushed in self._pushed.items() if pushed.stream == stream), None)
         if waiting is not None:
-            self._claim_push(waiting)
+            self._claim_push(self._pending_loads[waiting])
 
     def _reservation_problem(self, nbytes: int, num_layers: int) -> str | None:
         if num_layers != self.layout.num_layers:
@@ -155,28 +186,32 @@ class PushConsumer:
         if reservation.load is not None:
             self._pull_instead(self._pending_loads[reservation.load], failure)
 
-    def _claim_push(self, pending: "_PendingLoad") -> None:
+    def _claim_push(self, pending: _PendingLoad) -> None:
         """Ties ``pending`` to its stream's reservation once there is one; completes it when
         the stream already is."""
-        reservation = self._reservations.get(pending.pushed.stream)
+        pushed = self._pushed[pending.req_id]
+        reservation = self._reservations.get(pushed.stream)
         if reservation is None:
             return  # the producer's reserve is still on its way
-        expected = self.layout.packed_nbytes(pending.pushed.total_pages)
+        expected = self.layout.packed_nbytes(pushed.total_pages)
         problem = (reservation.failure or (f"claimed by {reservation.load} already" if reservation.load else None)
                    or (f"{reservation.nbytes} bytes pushed, this layout needs {expected} (block geometry differs)"
                        if reservation.nbytes != expected else None))
         if problem is not None:
-            pending.pushed = None  # the reservation is not this load's to free
+            del self._pushed[pending.req_id]  # the reservation is not this load's to free
             self._pull_instead(pending, f"pushed KV: {problem}")
             return
         reservation.load = pending.req_id
         if reservation.complete:
             self._finish_load(pending)
 
-    def _unpack_pushed(self, pending: "_PendingLoad") -> StagingBuffer | None:
-        """Queues the unpack of a pushed load; returns the scratch buffer it reads, if any,
-        which goes back to the pool once the unpack ran."""
-        reservation, pushed = self._reservations[pending.pushed.stream], pending.pushed
+    def _unpack_load(self, pending: _PendingLoad) -> StagingBuffer | None:
+        """A pushed load unpacks from its push buffer (through a scratch buffer when it takes
+        only some of the pushed pages); any other as a pull."""
+        pushed = self._pushed.get(pending.req_id)
+        if pushed is None:
+            return super()._unpack_load(pending)
+        reservation = self._reservations[pushed.stream]
         if pushed.skip_pages == 0 and pushed.total_pages == len(pending.pages):
             unpack(self.layout, pending.pages, reservation.buffer.tensor)
             return None
@@ -192,6 +227,24 @@ class PushConsumer:
             raise
         return part
 
+    def _release_staging(self, pending: _PendingLoad) -> None:
+        super()._release_staging(pending)
+        pushed = self._pushed.pop(pending.req_id, None)
+        if pushed is not None:
+            self._free_reservation(pushed.stream)
+
+    def _pull_instead(self, pending: _PendingLoad, reason: str) -> None:
+        """The push of ``pending`` failed: the producer keeps its staged copy for a pull (the
+        push's share stays open), so pull it; a failed pull fails the load."""
+        log.warning("PDDConnector: push of %s failed (%s); pulling it", pending.req_id, reason)
+        self._release_staging(pending)
+        del self._pending_loads[pending.req_id]
+        try:
+            self._start_load(pending.req_id, pending.load)
+        except Exception as exc:
+            log.warning("PDDConnector: load of %s failed to start: %s", pending.req_id, exc)
+            self._fail_load(pending.req_id, pending.block_ids)
+
     def _free_reservation(self, stream: StreamId) -> None:
         reservation = self._reservations.pop(stream, None)
         if reservation is not None:
@@ -203,11 +256,8 @@ class PushConsumer:
         buffer, reservation.buffer = reservation.buffer, None
         if reservation.complete:
             self.staging.release(buffer)
-            return
-        try:  # the producer may still write into it: it must never serve another request
-            self.engine.unregister(buffer.region)
-        except TransferError as exc:
-            log.warning("PDDConnector: could not unregister the push buffer from %s: %s", reservation.address, exc)
+        else:  # the producer may still write into it: withdrawn before it serves another request
+            self.staging.discard(buffer)
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()

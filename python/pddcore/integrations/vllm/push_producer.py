@@ -25,17 +25,16 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ...streaming import LayerStreamSender
 from ...transfer import Message, Transfer, TransferError
 from .._device import record_event
+from .base_worker import Handler
+from .metadata import PDDConnectorMetadata
+from .producer import ProducerWorker, _Staged
 from .shares import PUSH_SHARE, Share
-
-if TYPE_CHECKING:
-    from .producer import _Staged
 
 __all__ = ["PushProducer"]
 
@@ -57,9 +56,10 @@ class _PushTarget:
 
 @dataclass
 class _Push:
-    """A request's push: its targets, and its packed layers with the CUDA event each pack
-    recorded (None on the CPU, where pack returns only once it copied)."""
+    """A request's push: the staged copy it streams, its targets, and its packed layers with
+    the CUDA event each pack recorded (None on the CPU, where pack returns only once it copied)."""
 
+    staged: _Staged
     targets: list[_PushTarget]
     packed: dict[int, "torch.cuda.Event | None"] = field(default_factory=dict)
 
@@ -68,20 +68,36 @@ class _Push:
         return any(t.stream is None and not t.ended for t in self.targets)
 
 
-class PushProducer:
-    """The producer's push-mode methods; :class:`~.worker.WorkerSide` supplies the engine,
-    ``layout``, ``_peers``, ``_pump`` and, through :class:`~.producer.ProducerWorker`, the
-    staged copies, ``_served`` and ``_finish_if_served``."""
+class PushProducer(ProducerWorker):
+    """The producer with push mode: a request whose save names consumer ranks
+    (``PDDConnectorMetadata.pushes``) is streamed to them from the hooks of
+    :class:`~.producer.ProducerWorker`; the rest is pulled as there."""
 
-    def _init_push_producer(self) -> None:
+    def _init_worker(self, extra: dict) -> None:
+        super()._init_worker(extra)
+        self._pushes: dict[str, _Push] = {}   # req -> its push, while its staged copy lasts
         self._push_messages = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdd-push")
 
-    def _start_push(self, req_id: str, staged: "_Staged", consumers: list[str]) -> None:
+    def _message_handlers(self) -> dict[str, Handler]:
+        return {**super()._message_handlers(), "reserved": self._on_reserved, "refused": self._on_refused}
+
+    def _progress(self) -> None:
+        self._progress_pushes()
+        super()._progress()
+
+    def _close_worker(self) -> None:
+        self._push_messages.shutdown(wait=True, cancel_futures=True)
+        super()._close_worker()
+
+    def _staged_started(self, req_id: str, staged: _Staged, meta: PDDConnectorMetadata) -> None:
         """Asks each consumer rank this rank feeds for a push buffer. Rank ``r`` of ``tp``
         feeds consumer ranks ``r, r + tp, ...``: the one rank of its own index with equal TP
         sizes; with MLA (one latent, all ranks alike) also the ranks beyond a smaller TP size."""
-        targets = [_PushTarget(address) for address in consumers[self.tp_rank::self.tp_size]]
-        staged.push = _Push(targets)
+        super()._staged_started(req_id, staged, meta)
+        if req_id not in meta.pushes:
+            return
+        targets = [_PushTarget(address) for address in meta.pushes[req_id][self.tp_rank::self.tp_size]]
+        self._pushes[req_id] = _Push(staged, targets)
         staged.shares[PUSH_SHARE] = Share(len(targets))
         for target in targets:
             self._send_push_message(target.address, "reserve", req=req_id, nbytes=staged.buffer.nbytes,
@@ -90,21 +106,38 @@ class PushProducer:
     def _send_push_message(self, address: str, kind: str, **fields) -> None:
         self._push_messages.submit(self._peers.send, address, kind, **fields)
 
-    def _push_packed_layer(self, layer: int, pushing: list[tuple[str, "_Staged"]]) -> None:
-        """``save_kv_layer``'s part: notes ``layer`` packed and posts what is ready to go."""
-        for _, staged in pushing:
-            staged.push.packed[layer] = record_event(self.kv_device)
-        if any(staged.push.awaiting_reservation for _, staged in pushing):
+    def _layer_packed(self, layer: int, req_ids: list[str]) -> None:
+        """Notes ``layer`` packed for the pushed requests and posts what is ready to go."""
+        super()._layer_packed(layer, req_ids)
+        pushing = [(req_id, self._pushes[req_id]) for req_id in req_ids if req_id in self._pushes]
+        for _, push in pushing:
+            push.packed[layer] = record_event(self.kv_device)
+        if any(push.awaiting_reservation for _, push in pushing):
             self._pump()  # a reservation may have come back since the last layer
-        for req_id, staged in pushing:
-            self._post_packed_layers(req_id, staged)
+        for req_id, push in pushing:
+            if self._pushes.get(req_id) is push:  # the pump may have ended it
+                self._post_packed_layers(req_id, push)
 
-    def _post_packed_layers(self, req_id: str, staged: "_Staged") -> None:
+    def _saved(self, req_id: str, staged: _Staged, late_layers: list[int]) -> None:
+        super()._saved(req_id, staged, late_layers)
+        push = self._pushes.get(req_id)
+        if push is not None:
+            push.packed.update(dict.fromkeys(late_layers, staged.packs_done))
+            self._post_packed_layers(req_id, push)
+
+    def _staged_dropped(self, req_id: str, staged: _Staged) -> None:
+        super()._staged_dropped(req_id, staged)
+        push = self._pushes.pop(req_id, None)
+        if push is not None:
+            self._stop_push(req_id, push)
+
+    def _post_packed_layers(self, req_id: str, push: _Push) -> None:
         """Posts every packed layer (whose pack ran) to every reserved target that lacks it."""
-        for target in staged.push.targets:
+        staged = push.staged
+        for target in push.targets:
             if target.stream is None or target.ended:
                 continue
-            for layer, event in staged.push.packed.items():
+            for layer, event in push.packed.items():
                 if layer in target.posted or (event is not None and not event.query()):
                     continue
                 lo, hi = staged.layer_range(layer)
@@ -120,8 +153,8 @@ class PushProducer:
     def _on_reserved(self, message: Message, msg: dict) -> None:
         """A consumer rank's push buffer: believed only from the engine asked."""
         req = msg["req"]
-        staged = self._staged.get(req)
-        targets = staged.push.targets if staged is not None and staged.push is not None else []
+        push = self._pushes.get(req)
+        targets = push.targets if push is not None else []
         waiting = (t for t in targets if t.stream is None and not t.ended)
         target = next((t for t in waiting if self._peers.is_from(message, t.address)), None)
         if target is None:
@@ -135,29 +168,27 @@ class PushProducer:
             self._end_push_target(req, target, f"cannot stream to {target.address}: {exc}")
             return
         target.region, target.offset = bytes.fromhex(msg["region"]), msg["offset"]
-        self._post_packed_layers(req, staged)
+        self._post_packed_layers(req, push)
 
     def _on_refused(self, message: Message, msg: dict) -> None:
         """The consumer would not take the push (its load pulls instead)."""
         req = msg["req"]
-        staged = self._staged.get(req)
-        for target in staged.push.targets if staged is not None and staged.push is not None else []:
+        push = self._pushes.get(req)
+        for target in push.targets if push is not None else []:
             if not target.ended and self._peers.is_from(message, target.address):
                 log.warning("PDDConnector: %s refused the push of %s (it pulls instead): %s", target.address, req,
                             msg["reason"])
                 target.ended = True
-                staged.shares[PUSH_SHARE].superseded = True
+                push.staged.shares[PUSH_SHARE].superseded = True
                 return
         log.warning("PDDConnector: ignored a refusal of %s from %s, which was offered no push of it", req,
                     message.sender)
 
     def _progress_pushes(self) -> None:
         """Counts each target whose every layer landed (or whose stream failed) as served."""
-        for req_id, staged in list(self._staged.items()):
-            if staged.push is None:
-                continue
-            self._post_packed_layers(req_id, staged)  # layers whose pack finished since
-            for target in staged.push.targets:
+        for req_id, push in list(self._pushes.items()):
+            self._post_packed_layers(req_id, push)  # layers whose pack finished since
+            for target in push.targets:
                 if target.ended or target.stream is None:
                     continue
                 failed = next((t for t in target.transfers if t.status in ("failed", "cancelled")), None)
@@ -171,7 +202,7 @@ class PushProducer:
         """A target's stream landed, or failed: then its consumer pulls instead (under its own
         share), so the staged copy stays for that pull."""
         target.ended = True
-        share = self._staged[req_id].shares[PUSH_SHARE]
+        share = self._pushes[req_id].staged.shares[PUSH_SHARE]
         if failure is None:
             share.answered.add(target.address)
         else:
@@ -179,10 +210,10 @@ class PushProducer:
             log.warning("PDDConnector: push of %s to %s failed: %s", req_id, target.address, failure)
             self._send_push_message(target.address, "stream_failed", req=req_id, reason=failure)
 
-    def _stop_push(self, req_id: str, staged: "_Staged") -> None:
+    def _stop_push(self, req_id: str, push: _Push) -> None:
         """The staged copy goes away: stops what is still in flight, so that it no longer reads
         the buffer, and tells the consumers whose stream stays incomplete."""
-        for target in staged.push.targets:
+        for target in push.targets:
             if target.ended:
                 continue
             if target.stream is not None:
@@ -193,6 +224,3 @@ class PushProducer:
             target.ended = True
             self._send_push_message(target.address, "stream_failed", req=req_id,
                                     reason="the producer dropped the request")
-
-    def _shutdown_push_producer(self) -> None:
-        self._push_messages.shutdown(wait=True, cancel_futures=True)

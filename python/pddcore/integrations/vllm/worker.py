@@ -1,153 +1,20 @@
-"""The worker side of :class:`~pddcore.integrations.vllm.PDDConnector`, common to both roles:
-the transfer engine, the :class:`KVLayout` over vLLM's KV caches, the handshake, and the
-control messages, each handed to the producer (:mod:`.producer`, :mod:`.push_producer`) or
-consumer (:mod:`.consumer`, :mod:`.push_consumer`) half.
+"""The worker side of :class:`~pddcore.integrations.vllm.PDDConnector`: both halves, since a
+vLLM worker may produce and consume (``kv_both``). Each half is a subclass of
+:class:`~.base_worker.WorkerBase` (pull in :mod:`.producer` and :mod:`.consumer`, push mode
+on top of each in :mod:`.push_producer` and :mod:`.push_consumer`); this class only joins
+them, and every method each adds cooperates through ``super()``::
 
-vLLM's caches, per layer (``pages_per_block`` kernel blocks per vLLM block)::
-
-    [blocks * pages_per_block, heads, block_size / pages_per_block, head_size + head_size_v]
+    WorkerSide -> PushProducer -> ProducerWorker -> PushConsumer -> ConsumerWorker -> WorkerBase
 """
 
 from __future__ import annotations
 
-import logging
-
-import torch
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorTransferResults
-
-from ...layout import KVLayout
-from ...transfer import Message, TransferEngine
-from .._device import on_kv_device
-from .._messages import MalformedMessage
-from .._peers import Peers
-from .._staging import StagingPool
-from .consumer import ConsumerWorker
-from .metadata import PDDHandshakeMetadata
-from .producer import ProducerWorker
-from .protocol import MESSAGES
 from .push_consumer import PushConsumer
 from .push_producer import PushProducer
 
 __all__ = ["WorkerSide"]
 
-log = logging.getLogger(__name__)
 
-
-class WorkerSide(ProducerWorker, PushProducer, ConsumerWorker, PushConsumer):
-    """The connector's worker-role methods; :class:`PDDConnector` sets ``listen_host``,
-    ``host``, ``base_port``, ``tp_size``, ``lease_s``, ``load_timeout_s`` and
-    ``attention_spec`` before :meth:`_init_worker`."""
-
-    def _init_worker(self, extra: dict) -> None:
-        if "tp_rank" in extra:
-            self.tp_rank = int(extra["tp_rank"])
-        else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            self.tp_rank = get_tensor_model_parallel_rank()
-        port = 0 if self.base_port is None else int(self.base_port) + self.tp_rank
-        backend = extra.get("backend", "tcp")
-        self.engine = TransferEngine(backend, listen=f"{self.listen_host}:{port}", auth_token=extra.get("auth_token"),
-                                     insecure=bool(extra.get("insecure", False)),
-                                     tls_cert=extra.get("tls_cert"), tls_key=extra.get("tls_key"),
-                                     tls_ca=extra.get("tls_ca"),
-                                     **({"device": extra["rdma_device"]} if "rdma_device" in extra else {}))
-        self.gpudirect = bool(extra.get("gpudirect", False))
-        self.address = f"{self.host}:{self.engine.address.rpartition(':')[2]}"
-        self.layout: KVLayout | None = None
-        self.kv_device = torch.device("cpu")  # the KV caches' device, once registered
-        self.staging: StagingPool | None = None
-        self.pages_per_block = 1
-        self._layer_index: dict[str, int] = {}
-        self._peers = Peers(self.engine, MESSAGES, log)
-        self._init_producer()
-        self._init_push_producer()
-        self._init_consumer()
-        self._init_push_consumer()
-        self._finished_recving: set[str] = set()
-        self._failed_recving: set[str] = set()
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Builds the :class:`KVLayout` over the caches vLLM's ``allocate_kv_cache`` made.
-
-        Each layer is a ``[blocks * pages_per_block, heads, block_size / pages_per_block,
-        head_size + head_size_v]`` view (any strides: the layout decides them); K is the first
-        ``head_size`` elements of every row, V the rest; MLA has no V.
-        """
-        spec = self.attention_spec
-        if spec is None:
-            raise ValueError("PDDConnector.register_kv_caches needs the KVCacheConfig vLLM passes to the connector")
-        head_k, head_v = spec.head_size, spec.head_size_v
-        k, v, seen = [], [], set()
-        for name in self._kv_cache_config.kv_cache_groups[0].layer_names:
-            t = kv_caches.get(name)
-            if t is None:
-                raise ValueError(f"layer {name}: no KV cache registered for it")
-            if t.dim() != 4 or t.shape[-1] != head_k + head_v:
-                raise ValueError(f"layer {name}: KV cache of shape {tuple(t.shape)} is not vLLM's [blocks, heads, "
-                                 f"block_size, head_size + head_size_v = {head_k + head_v}] view")
-            if (t.data_ptr(), t.stride()) in seen:  # a layer that reuses another's cache (KV sharing)
-                continue
-            seen.add((t.data_ptr(), t.stride()))
-            self._layer_index[name] = len(k)
-            cells = t.permute(0, 2, 1, 3)  # [pages, tokens, heads, row]
-            k.append(cells[..., :head_k])
-            if head_v:
-                v.append(cells[..., head_k:])
-        self.layout = KVLayout.from_tensors(k, v or None)
-        num_blocks = self._kv_cache_config.num_blocks
-        if self.layout.num_pages % num_blocks:
-            raise ValueError(f"{self.layout.num_pages} kernel blocks do not split evenly into {num_blocks} blocks")
-        self.pages_per_block = self.layout.num_pages // num_blocks
-        self.total_kv_heads = 1 if self.layout.is_mla else self.layout.planes[0].num_heads * self.tp_size
-        self.kv_device = self.layout.device
-        self.staging = StagingPool(self.engine, self.layout.device, gpudirect=self.gpudirect)
-
-    def _pages(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """Layout page ids of vLLM blocks (a block spans ``pages_per_block`` kernel blocks)."""
-        blocks = torch.as_tensor(block_ids, dtype=torch.int64)
-        r = self.pages_per_block
-        return (blocks[:, None] * r + torch.arange(r)).reshape(-1) if r > 1 else blocks
-
-    def get_handshake_metadata(self) -> PDDHandshakeMetadata:
-        return PDDHandshakeMetadata(self.address, self.tp_rank, self.tp_size, getattr(self, "total_kv_heads", 0))
-
-    def _pump(self) -> None:
-        """Acts on every message received; a bad one fails only the request it names."""
-        for message in self.engine.poll_messages():
-            if self._on_stream_notification(message):
-                continue
-            try:
-                self._on_message(message, MESSAGES.decode(message.payload))
-            except MalformedMessage as exc:
-                log.warning("PDDConnector: dropped a message from %s: %s", message.sender, exc)
-                self._fail_named_load(exc.key, f"malformed message from {message.sender}: {exc}")
-
-    def _on_message(self, message: Message, msg: dict) -> None:
-        handlers = {"pull": self._on_pull, "drop": self._on_drop, "done": self._on_done,
-                    "fail": self._on_fail, "reserve": self._on_reserve, "reserved": self._on_reserved,
-                    "refused": self._on_refused, "stream_failed": self._on_stream_failed}
-        handlers[msg["k"]](message, msg)  # MESSAGES admits no other kind
-
-    @on_kv_device
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        self._pump()
-        self._progress_pushes()
-        self._progress_sends()
-        self._expire_loads()
-        self._release_unpacked()
-        self._expire_reservations()
-        # Nothing in finished_sending: a producer's blocks went back when its request finished.
-        results = KVConnectorTransferResults(set(), self._finished_recving, self._failed_recving)
-        self._finished_recving, self._failed_recving = set(), set()
-        return results
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self.get_transfer_results(finished_req_ids)
-        return results.finished_sending or None, results.finished_recving or None
-
-    def shutdown(self) -> None:
-        if self._role == KVConnectorRole.WORKER:
-            self._shutdown_push_producer()
-            self.engine.close()
+class WorkerSide(PushProducer, PushConsumer):
+    """The connector's worker-role methods; see :class:`~.base_worker.WorkerBase` for what
+    :class:`PDDConnector` sets before :meth:`_init_worker`."""
