@@ -242,6 +242,9 @@ PeerPtr Engine::find_peer(uint64_t peer_key) const {
 
 std::optional<uint64_t> Engine::secure(Socket& s, bool client) const {
   if (!tls_) return std::nullopt;
+  // TLS's last handshake flight and our hello leave back to back: with Nagle on, the hello
+  // would wait for the peer's delayed ACK (about 40 ms on every connection).
+  s.set_nodelay();
   std::unique_ptr<TlsChannel> channel =
       client ? tls_->secure_client(s.fd(), options_.timeout_s) : tls_->secure_server(s.fd(), options_.timeout_s);
   std::optional<uint64_t> certified = channel->certified_peer_id();
