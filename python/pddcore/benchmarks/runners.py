@@ -297,9 +297,18 @@ def case_demo(quick: bool, backend: str) -> CaseOutput:
 def case_tls(quick: bool, backend: str) -> CaseOutput:
     if backend != "tcp":
         raise Skipped("TLS is on the tcp backend's connections")
-    results = tls_cases.loopback((64 << 20) if quick else (256 << 20), rounds=2 if quick else 3)
-    rows = [Row("tls", f"loopback {r.streams} stream{'s' * (r.streams > 1)}, TLS", r.tls_gbps, "plain",
-                r.plain_gbps, "GB/s") for r in results]
+    results = tls_cases.loopback((64 << 20) if quick else (256 << 20), rounds=2 if quick else 3,
+                                 connects=10 if quick else 20)
+    rows = []
+    for r in results:
+        where = f"loopback {r.streams} stream{'s' * (r.streams > 1)}"
+        rows += [Row("tls", f"{where}, TLS (token)", r.tls_gbps, "plain", r.plain_gbps, "GB/s"),
+                 Row("tls", f"{where}, TLS (certificates)", r.cert_gbps, "plain", r.plain_gbps, "GB/s"),
+                 Row("tls", f"{where}, TLS (certificates)", r.cert_gbps, "TLS (token)", r.tls_gbps, "GB/s"),
+                 Row("tls", f"{where}, connect() with certificates", r.connect_ms["cert"], "TLS (token)",
+                     r.connect_ms["tls"], "ms"),
+                 Row("tls", f"{where}, connect() with certificates", r.connect_ms["cert"], "plain",
+                     r.connect_ms["plain"], "ms")]
     cipher = tls_cases.cipher_gbps((256 << 20) if quick else (1 << 30))
     rows.append(Row("tls", "AES-128-GCM seal, one core", cipher, "10 Gbit/s line", 1.25, "GB/s"))
     text = tls_cases.format_table(results)
@@ -310,8 +319,12 @@ def case_tls(quick: bool, backend: str) -> CaseOutput:
         wan = _in_fresh_process(tls_cases.wan, rate="200mbit" if quick else "1gbit", delay_ms=10 if quick else 25,
                                 nbytes=(64 << 20) if quick else (512 << 20))
         results.append(wan)
-        rows += [Row("tls", f"{wan.where} goodput, TLS", wan.tls_gbps, "line rate", wan.line_gbps, "Gbit/s"),
-                 Row("tls", f"{wan.where} goodput, TLS", wan.tls_gbps, "plain", wan.plain_gbps, "Gbit/s")]
+        rows += [Row("tls", f"{wan.where} goodput, TLS (token)", wan.tls_gbps, "line rate", wan.line_gbps, "Gbit/s"),
+                 Row("tls", f"{wan.where} goodput, TLS (token)", wan.tls_gbps, "plain", wan.plain_gbps, "Gbit/s"),
+                 Row("tls", f"{wan.where} goodput, TLS (certificates)", wan.cert_gbps, "plain", wan.plain_gbps,
+                     "Gbit/s"),
+                 Row("tls", f"{wan.where} goodput, TLS (certificates)", wan.cert_gbps, "TLS (token)", wan.tls_gbps,
+                     "Gbit/s")]
         text = tls_cases.format_table(results)
     else:
         text += f"\n(WAN rows skipped: {reason})"

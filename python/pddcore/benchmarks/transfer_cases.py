@@ -61,9 +61,10 @@ def read_info(path: str, timeout: float = 60.0) -> str:
 
 
 def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp",
-                tls: bool = False, raw_info_path: str | None = None) -> list[tuple[int, float, float]]:
+                engine_kwargs: dict | None = None, raw_info_path: str | None = None) -> list[tuple[int, float, float]]:
     """Registers ``nbytes``, publishes address and descriptor, records latency probes
-    (phase, sent, arrived) until an ``exit`` message. With ``raw_info_path``, also serves
+    (phase, sent, arrived) until an ``exit`` message. ``engine_kwargs``: more TransferEngine
+    arguments (TLS, certificates) beside the run's token. With ``raw_info_path``, also serves
     :func:`raw_receive` into the same registered buffer and publishes its port there."""
     from pddcore.transfer import TransferEngine
 
@@ -73,7 +74,7 @@ def engine_sink(listen: str, nbytes: int, info_path: str, backend: str = "tcp",
         listener = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=raw_receive, args=(listener, memoryview(destination)), daemon=True).start()
         write_info(raw_info_path, str(listener.getsockname()[1]))
-    with TransferEngine(backend, listen=listen, auth_token=bench_token(), tls=tls) as engine:
+    with TransferEngine(backend, listen=listen, auth_token=bench_token(), **(engine_kwargs or {})) as engine:
         region = engine.register(destination, target=True)
         write_info(info_path, region.descriptor().hex())
         while True:
@@ -195,7 +196,7 @@ def loopback_matrix(nbytes: int = 256 << 20, rounds: int = 7, chunk_sizes=CHUNK_
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         info, raw_info = os.path.join(tmp, "engine"), os.path.join(tmp, "raw")
-        sink = ctx.Process(target=engine_sink, args=("127.0.0.1:0", nbytes, info, backend, False, raw_info),
+        sink = ctx.Process(target=engine_sink, args=("127.0.0.1:0", nbytes, info, backend, None, raw_info),
                            daemon=True)
         sink.start()
         try:
