@@ -1,8 +1,8 @@
 """The TCP backend's delivery meter (stats' ``path_limited_bytes`` / ``path_limited_seconds``,
 what the router's bandwidth estimator reads): the integration of the kernel's delivery-rate
 samples tested in C++ against hand-made TCP_INFO readings (tests/cpp/delivery_meter_test.cpp:
-acknowledged bytes counted, never rate samples, a streaming sender's waits and the time
-after a transfer left out, idle and application-limited connections left out, a reconnect is
+acknowledged bytes counted, never rate samples, the gaps between bunches of acks counted,
+a streaming sender's waits and the time after a transfer left out, idle and application-limited connections left out, a reconnect is
 a new baseline), and live counters on loopback. Through
 a real bottleneck with a streaming sender: tests/test_transfer_wan.py (root)."""
 
@@ -17,7 +17,8 @@ from pddcore.transfer import TransferEngine
 
 METER_CASES = ["sums_the_connections", "streaming_waits_do_not_count", "idle_connection_is_left_out",
                "application_limited_samples_say_nothing", "reconnect_is_a_new_baseline",
-               "counts_acknowledged_bytes_not_rate_samples", "the_time_after_the_last_delivery_does_not_count",
+               "counts_acknowledged_bytes_not_rate_samples", "acks_in_bunches_count_the_time_between",
+               "the_time_after_the_last_delivery_does_not_count",
                "late_reading_is_dropped_and_silence_says_nothing"]
 
 

@@ -118,6 +118,18 @@ void counts_acknowledged_bytes_not_rate_samples() {
   CHECK(near(meter.bytes() / meter.seconds(), 2.5e9, 1e-9));
 }
 
+void acks_in_bunches_count_the_time_between() {
+  // 10 MB/s, looked at every millisecond, acks arriving every 5 ms with 5 ms of bytes (an
+  // ack-compressing path): the gaps between bunches are the link's time too.
+  DeliveryMeter meter;
+  uint64_t acked = 0;
+  for (int64_t t = 0; t <= 500 * kMs; t += kMs) {
+    if (t % (5 * kMs) == 0) acked += 50'000;
+    meter.observe({{0, delivering(acked, 10e6)}}, t);
+  }
+  CHECK(near(meter.bytes() / meter.seconds(), 10e6, 1e-9));
+}
+
 void the_time_after_the_last_delivery_does_not_count() {
   // A transfer ends; the next look, 60 ms later, finds nothing more acknowledged.
   DeliveryMeter meter;
@@ -156,6 +168,7 @@ int main(int argc, char** argv) {
                         {"application_limited_samples_say_nothing", application_limited_samples_say_nothing},
                         {"reconnect_is_a_new_baseline", reconnect_is_a_new_baseline},
                         {"counts_acknowledged_bytes_not_rate_samples", counts_acknowledged_bytes_not_rate_samples},
+                        {"acks_in_bunches_count_the_time_between", acks_in_bunches_count_the_time_between},
                         {"the_time_after_the_last_delivery_does_not_count",
                          the_time_after_the_last_delivery_does_not_count},
                         {"late_reading_is_dropped_and_silence_says_nothing", late_reading_is_dropped_and_silence_says_nothing}});

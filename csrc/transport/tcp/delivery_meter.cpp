@@ -29,13 +29,21 @@ void DeliveryMeter::observe(const std::vector<std::pair<uint32_t, PathSample>>& 
     // An idle connection's last sample may be stale and unflagged; only live ones count.
     if (now_ns - c.advanced_ns <= delivering && !sample.delivery_app_limited) path_limited_ = true;
   }
-  // A busy link is looked at every few acks. Nothing acknowledged since the last look, or
-  // a look after a silence longer than a round trip: the transfer ended (or stalled) in
-  // between, and neither the time nor when those last bytes arrived is known.
-  if (limited_since_last && delivered > 0 && step <= window) {
-    bytes_ += static_cast<double>(delivered);
-    ns_ += step;
+  // A busy link is looked at every few acks, and acks come in bunches: a look that finds
+  // nothing new acknowledged is held until the next look that does, so the time between
+  // bunches counts with the bytes after it. A look after a silence longer than a round
+  // trip, or one that finds the link no longer the limit, ends the stretch: what was held
+  // is dropped (the transfer ended or stalled in between), and so are bytes whose arrival
+  // time is unknown.
+  if (!limited_since_last || step > window) {
+    held_ns_ = 0;
+    return;
   }
+  held_ns_ += step;
+  if (delivered == 0) return;
+  bytes_ += static_cast<double>(delivered);
+  ns_ += held_ns_;
+  held_ns_ = 0;
 }
 
 }  // namespace pddcore::transfer

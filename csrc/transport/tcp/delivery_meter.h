@@ -7,9 +7,9 @@
 // samples each connection's delivery rate per ack and flags the samples taken while the
 // sender had nothing to send (application-limited). This meter looks at the connections
 // whenever the engine does: the time from one look to the next counts as path-limited when
-// at the first look a connection was delivering with an unflagged sample and by the second
-// some bytes were acknowledged, and it counts those bytes, as the kernel's acknowledged-byte
-// counters say. The ratio of its two counters is the link's rate averaged over the time the
+// at the first look a connection was delivering with an unflagged sample, once some bytes
+// were acknowledged by then or by a later look of the same busy stretch, and it counts those
+// bytes, as the kernel's acknowledged-byte counters say. The ratio of its two counters is the link's rate averaged over the time the
 // link was the limit. The rate samples themselves are never summed or integrated: one
 // sample measures a single ack's burst, and on a shared CPU (loopback) connections deliver
 // in turns, each burst at several times the rate they share, so their sum read up to 20x the
@@ -47,6 +47,7 @@ class DeliveryMeter {
   };
   std::map<uint32_t, Connection> connections_;
   bool path_limited_ = false;  // at the last observation a delivering connection's sample was unflagged
+  int64_t held_ns_ = 0;        // path-limited time since the last look that found bytes acknowledged
   int64_t last_ns_ = 0;
   double bytes_ = 0;
   int64_t ns_ = 0;
