@@ -23,7 +23,9 @@ Engine::Engine(EngineOptions options)
       inbox_(options_.max_inbox_bytes),
       rate_limiter_(options_.rate_limit_bps),
       tags_(random_transfer_tags()) {
-  if (options_.streams == 0 || options_.streams > 64) throw std::invalid_argument("streams must be in [1, 64]");
+  // 0: "auto", the tcp backend chooses per peer from the path (tcp/stream_choice.h).
+  if (options_.streams > 64 || (options_.streams == 0 && options_.backend != "tcp"))
+    throw std::invalid_argument("streams must be in [1, 64], or 0 (auto) on the tcp backend");
   if (options_.chunk_bytes == 0 || options_.chunk_bytes > wire::kMaxChunkBytes)
     throw std::invalid_argument("chunk_bytes must be in [1, " + std::to_string(wire::kMaxChunkBytes) + "]");
   if (!(options_.timeout_s > 0)) throw std::invalid_argument("timeout_s must be positive");

@@ -66,6 +66,9 @@ __all__ = ["TransferEngine", "Region", "Peer", "Transfer", "TransferError", "Reg
            "WriteSpec", "available_congestion_controls", "new_auth_token", "MIN_AUTH_TOKEN_BYTES",
            "engine_id_for_name"]
 
+# streams="auto" on rdma: the QPs per peer (the tcp backend chooses per peer instead).
+_AUTO_QPS = 4
+
 
 def engine_id_for_name(name: str) -> int:
     """The engine id of an engine whose TLS certificate's subject common name is ``name``:
@@ -125,7 +128,12 @@ class TransferEngine:
     Args:
         backend: data path; ``"tcp"`` (chunked, multi-stream) or ``"rdma"`` (ibverbs RC; see the module docstring).
         listen: ``"host:port"`` to listen on (port 0: any free port); see :attr:`address`.
-        streams: parallel data connections per peer.
+        streams: parallel data connections per peer, or ``"auto"`` (the default): each peer
+            starts with 4 and gets more, up to 16 and never fewer again, while its path asks
+            for them: when rate x RTT (measured while the path set the pace) needs twice the
+            payload 4 connections' send buffers (``net.ipv4.tcp_wmem``'s ceiling) hold, or,
+            on cubic connections, the loss rate keeps each one's window small. ``stats()``
+            shows each peer's count as ``streams``. On rdma ``"auto"`` is 4 QPs.
         chunk_bytes: largest chunk on the wire (each has its own header, CRC and ack).
         auth_token: when set, every connection must prove knowledge of this token with an
             HMAC-SHA256 challenge-response, both ways: this engine also refuses a peer that
@@ -191,7 +199,7 @@ class TransferEngine:
         max_retries: resends of one chunk, and reconnects of one stream, before failing.
         device: rdma only: device name (e.g. ``"mlx5_0"``; None: the first one, or the verbs
             emulator when ``PDDCORE_VERBS=emulator``; ``"emulator"``: the verbs emulator).
-            ``streams`` is the number of RC QPs per peer.
+            ``streams`` is the number of RC QPs per peer (``"auto"``: 4).
         ib_port: rdma only: the device port.
         gid_index: rdma only: GID table index for routed (GRH) addressing; None: none on
             InfiniBand, GID 0 on RoCE.
@@ -199,7 +207,7 @@ class TransferEngine:
     Thread-safe: any number of Python threads may call it at once.
     """
 
-    def __init__(self, backend: str = "tcp", listen: str = "127.0.0.1:0", *, streams: int = 4,
+    def __init__(self, backend: str = "tcp", listen: str = "127.0.0.1:0", *, streams: int | str = "auto",
                  chunk_bytes: int = 1 << 20, auth_token: bytes | str | None = None, timeout_s: float = 30.0,
                  rate_limit_bps: float | None = None, max_retries: int = 5, device: str | None = None,
                  ib_port: int = 1, gid_index: int | None = None, queue_delay_target_s: float | None = None,
@@ -231,6 +239,10 @@ class TransferEngine:
                              f"available: {', '.join(available_congestion_controls())}")
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
+        if streams == "auto":
+            streams = 0 if backend == "tcp" else _AUTO_QPS  # 0: the tcp core chooses per peer
+        elif isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise ValueError(f"streams must be an int in [1, 64] or 'auto', got {streams!r}")
         if tls and auth_token is None and not with_certificates:
             raise ValueError("tls=True needs an auth_token (the TLS pre-shared key is derived from it) or "
                              "tls_cert/tls_key/tls_ca")
@@ -431,7 +443,8 @@ class TransferEngine:
             (achieved goodput while busy; 0 before any);
             ``rtt_s``: smoothed round-trip time of the priority lane, from pings once a second;
             ``connected``: 1.0 while the control connection is up.
-            tcp peers: ``live_streams``, the data connections open now; ``cwnd_bytes``, their
+            tcp peers: ``streams``, the data connections this engine runs to the peer
+            (chosen with ``streams="auto"``); ``live_streams``, those open now; ``cwnd_bytes``, their
             congestion windows summed (what the path lets the engine keep in flight);
             ``tcp_retransmits``, segments they sent again (TCP_INFO);
             ``congestion_control``, ``{algorithm: live data connections running it}``
@@ -440,12 +453,11 @@ class TransferEngine:
             the live connections measured by the end of their handshake (what each chose
             its algorithm from), and ``congestion_switches``, connections switched to bbr
             on loss;
-            ``path_limited_bytes`` / ``path_limited_seconds``, the kernel's delivery-rate
-            samples integrated over the time the path, not this sender, set the pace: their
-            ratio is the path's rate (bytes/s) and what the router's bandwidth estimate reads,
-            since ``throughput_bps`` also counts the waits of a sender that streams layers as
-            prefill writes them. Where the receiving host, not the network, is the bottleneck
-            (loopback) the ratio reads above what the engine moves.
+            ``path_limited_bytes`` / ``path_limited_seconds``, the
+            bytes the kernel acknowledged while the path, not this sender, set the pace, and
+            that time: their ratio is the path's rate (bytes/s) and what the router's
+            bandwidth estimate reads, since ``throughput_bps`` also counts the waits of a
+            sender that streams layers as prefill writes them.
             With ``queue_delay_target_s`` (tcp peers): ``paced_bps``, the pacer's current rate
             (0 while unpaced); ``link_rate_bps``, the path rate it learned;
             ``queue_delay_s``, the data connections' smoothed RTT above the path's minimum.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <fstream>
 #include <optional>
 #include <set>
 
@@ -12,6 +13,7 @@
 #include "congestion_choice.h"
 #include "path_sample.h"
 #include "pddcore/crc32c.h"
+#include "stream_choice.h"
 
 namespace pddcore::transfer::tcp {
 
@@ -31,6 +33,19 @@ constexpr double kPacedBurstS = 0.001;
 // One sendmsg carries up to this many small chunks, checksummed just before it.
 constexpr size_t kMaxBatchChunks = 16;
 constexpr uint64_t kMaxBatchBytes = kCrcPiece;
+// streams="auto" judges the stream count over at least this much path-limited time, and
+// over this many minimum RTTs at least: a rate over a shorter stretch is one burst's.
+constexpr double kJudgeMinS = 0.02;
+constexpr double kJudgeRtts = 10;
+
+// The kernel's ceiling on one connection's send buffer (tcp_wmem's third field, in this
+// network namespace); Linux's default where it cannot be read.
+uint64_t send_buffer_ceiling() {
+  std::ifstream f("/proc/sys/net/ipv4/tcp_wmem");
+  uint64_t min = 0, initial = 0, max = 0;
+  if (f >> min >> initial >> max && max > 0) return max;
+  return 4ull << 20;
+}
 
 // Acks for verified chunks wait here while more chunks are already queued on the socket,
 // and go out in one send once the socket runs dry (or a batch is full): one syscall per
@@ -83,7 +98,9 @@ class ReceiveGuard {
 TcpBackend::TcpBackend(BackendHost& host)
     : host_(host),
       window_bytes_(std::max<uint64_t>(kMinWindowBytes, 4ull * host.options().chunk_bytes)),
-      auto_congestion_(host.options().congestion_control == "auto") {}
+      auto_congestion_(host.options().congestion_control == "auto"),
+      auto_streams_(host.options().streams == 0),
+      send_buffer_bytes_(send_buffer_ceiling()) {}
 
 TcpBackend::~TcpBackend() { close(); }
 
@@ -96,7 +113,7 @@ void TcpBackend::deregister_memory(uint64_t) {}
 void TcpBackend::connect(const PeerInfo& peer) {
   auto link = std::make_shared<Link>();
   link->peer = peer;
-  const uint32_t n = host_.options().streams;
+  const uint32_t n = auto_streams_ ? StreamRule::kInitial : host_.options().streams;
   if (host_.options().queue_delay_target_s > 0)
     link->pacer = std::make_unique<DelayPacer>(host_.options().queue_delay_target_s, n);
   link->live_streams = n;
@@ -109,6 +126,21 @@ void TcpBackend::connect(const PeerInfo& peer) {
   links_.emplace(peer.key, link);
   for (auto& stream : link->streams) {
     Stream* s = stream.get();
+    s->thread = std::thread([this, link, s] { run_stream(link, *s); });
+  }
+}
+
+void TcpBackend::add_streams(uint64_t peer_key, uint32_t count) {
+  LinkPtr link = find_link(peer_key);
+  if (!link) return;
+  std::lock_guard<std::mutex> lock(link->mutex);
+  // Once stopping, stop_link joins the streams without the lock: none may be added then.
+  if (link->stopping || !link->dead_reason.empty()) return;
+  while (link->streams.size() < count) {
+    link->streams.push_back(std::make_unique<Stream>());
+    Stream* s = link->streams.back().get();
+    s->index = static_cast<uint32_t>(link->streams.size() - 1);
+    ++link->live_streams;
     s->thread = std::thread([this, link, s] { run_stream(link, *s); });
   }
 }
@@ -184,6 +216,10 @@ void TcpBackend::run_stream(const LinkPtr& link, Stream& stream) {
       socket.set_timeouts(0, host_.options().timeout_s);
       socket.set_nodelay();
       if (auto_congestion_) choose_congestion_control(*link, stream, socket);
+      {
+        std::lock_guard<std::mutex> lock(link->mutex);
+        stream.loss_based = socket.congestion_control() != "bbr";  // bbr does not back off on loss
+      }
       progressed = run_session(*link, stream, socket);
     } catch (const std::exception& e) {
       why = e.what();
@@ -285,6 +321,8 @@ void TcpBackend::observe_path(Link& link) {
   }
   // Counters read apart would add up to rates the path never had.
   std::vector<std::pair<uint32_t, PathSample>> samples;
+  uint64_t segments = 0, retransmits = 0;
+  bool loss_based = false;
   {
     std::lock_guard<std::mutex> lock(link.mutex);  // keeps each live socket open
     for (const auto& stream : link.streams)
@@ -292,12 +330,40 @@ void TcpBackend::observe_path(Link& link) {
         if (const std::optional<PathSample> sample = read_path_sample(stream->socket->fd())) {
           samples.emplace_back(stream->index, *sample);
           if (auto_congestion_) switch_on_loss(link, *sample, *stream);
+          segments += sample->segments_sent;
+          retransmits += sample->retransmits;
+          loss_based = loss_based || stream->loss_based;
         }
   }
-  std::lock_guard<std::mutex> lock(link.path_mutex);
-  link.delivery.observe(samples, now);
-  if (link.pacer)
-    for (const auto& [index, sample] : samples) link.pacer->observe(index, sample, now);
+  uint32_t wanted = 0;
+  {
+    std::lock_guard<std::mutex> lock(link.path_mutex);
+    link.delivery.observe(samples, now);
+    if (link.pacer)
+      for (const auto& [index, sample] : samples) link.pacer->observe(index, sample, now);
+    if (auto_streams_ && segments > 0)
+      wanted = judge_streams(link, samples, static_cast<double>(retransmits) / static_cast<double>(segments),
+                             loss_based);
+  }
+  if (wanted > 0) add_streams(link.peer.key, wanted);
+}
+
+uint32_t TcpBackend::judge_streams(Link& link, const std::vector<std::pair<uint32_t, PathSample>>& samples,
+                                   double loss, bool loss_based) {
+  double min_rtt_s = 0;
+  for (const auto& [index, sample] : samples)
+    if (sample.min_rtt_s > 0) min_rtt_s = min_rtt_s > 0 ? std::min(min_rtt_s, sample.min_rtt_s) : sample.min_rtt_s;
+  const double seconds = link.delivery.seconds() - link.judged_seconds;
+  if (min_rtt_s <= 0 || seconds < std::max(kJudgeMinS, kJudgeRtts * min_rtt_s)) return 0;
+  StreamRule::Path path;
+  path.min_rtt_s = min_rtt_s;
+  path.rate_Bps = (link.delivery.bytes() - link.judged_bytes) / seconds;
+  path.loss = loss;
+  path.send_buffer_bytes = send_buffer_bytes_;
+  path.loss_based = loss_based;
+  link.judged_bytes = link.delivery.bytes();
+  link.judged_seconds = link.delivery.seconds();
+  return StreamRule::for_path(path);
 }
 
 // Where the kernel does not offer the chosen algorithm, the connection keeps the kernel's.
@@ -336,6 +402,7 @@ void TcpBackend::switch_on_loss(Link& link, const PathSample& sample, Stream& st
     if (other->socket && other->algorithm != nullptr && std::strcmp(other->algorithm, CongestionRule::kLossyPath) != 0)
       if (const char* algorithm = apply_congestion_control(*other->socket, CongestionRule::kLossyPath)) {
         other->algorithm = algorithm;
+        other->loss_based = false;
         ++link.congestion_switches;
       }
 }
@@ -570,8 +637,9 @@ void TcpBackend::close() {
 
 void TcpBackend::debug_kill_stream(uint64_t peer_key, uint32_t stream) {
   LinkPtr link = find_link(peer_key);
-  if (!link || stream >= link->streams.size()) throw std::invalid_argument("no such data stream");
-  std::lock_guard<std::mutex> lock(link->mutex);
+  if (!link) throw std::invalid_argument("no such data stream");
+  std::lock_guard<std::mutex> lock(link->mutex);  // streams="auto" may be adding streams
+  if (stream >= link->streams.size()) throw std::invalid_argument("no such data stream");
   if (link->streams[stream]->socket) link->streams[stream]->socket->shutdown();
 }
 
@@ -598,6 +666,7 @@ void TcpBackend::add_peer_stats(uint64_t peer_key, std::map<std::string, double>
           }
         }
     if (auto_congestion_) stats["congestion_switches"] += link->congestion_switches;
+    stats["streams"] += static_cast<double>(link->streams.size());
   }
   std::lock_guard<std::mutex> lock(link->path_mutex);
   stats["path_limited_bytes"] += link->delivery.bytes();

@@ -59,6 +59,7 @@ class TcpBackend final : public TransferBackend {
     const char* algorithm = nullptr;
     // Segments sent and retransmitted when loss began to count (congestion_choice.h).
     std::optional<std::pair<uint64_t, uint64_t>> loss_baseline;
+    bool loss_based = true;  // the connection's algorithm backs off on loss (not bbr)
   };
   struct Link {
     PeerInfo peer;
@@ -78,6 +79,8 @@ class TcpBackend final : public TransferBackend {
     DeliveryMeter delivery;
     std::mutex path_mutex;
     int64_t last_path_sample_ns = 0;
+    // streams="auto": the meter's counters when the stream count was last judged.
+    double judged_bytes = 0, judged_seconds = 0;
   };
   using LinkPtr = std::shared_ptr<Link>;
 
@@ -105,6 +108,13 @@ class TcpBackend final : public TransferBackend {
   void choose_congestion_control(Link& link, Stream& stream, const Socket& socket);
   // "auto", under link.mutex: on a cubic connection's retransmits, switches the link to bbr.
   void switch_on_loss(Link& link, const PathSample& sample, Stream& stream);
+  // streams="auto", under link.path_mutex: judges the stream count from the path's rate
+  // over the path-limited time since the last judgement, the RTT and the loss in `samples`
+  // (stream_choice.h); returns how many streams the link should have (0: no judgement yet).
+  uint32_t judge_streams(Link& link, const std::vector<std::pair<uint32_t, PathSample>>& samples, double loss,
+                         bool loss_based);
+  // Dials streams until the link has `count` (never fewer than it has).
+  void add_streams(uint64_t peer_key, uint32_t count);
   // Bytes one batch may carry: fewer while the link's pacer paces.
   uint64_t batch_limit(Link& link);
   // Waits as long as the link's pacer says before `bytes` may leave (no-op without a pacer).
@@ -119,6 +129,8 @@ class TcpBackend final : public TransferBackend {
   BackendHost& host_;
   const uint64_t window_bytes_;
   const bool auto_congestion_;  // congestion_control="auto"
+  const bool auto_streams_;     // streams="auto" (options().streams == 0)
+  const uint64_t send_buffer_bytes_;  // one connection's send-buffer ceiling (tcp_wmem)
   std::mutex mutex_;
   std::map<uint64_t, LinkPtr> links_;
   bool closed_ = false;
