@@ -10,6 +10,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -636,6 +637,55 @@ def test_a_request_the_staging_arena_cannot_hold_fails_its_load_with_the_reason(
         pull(cw, "d-small", dict(pushed_params(pw, "p-small", small), pdd_pushed=False), [20, 22])
         results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
         assert not results[1].failed_recving and as_bytes(cw.blocks([20, 22])) == as_bytes(pw.blocks(small))
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
+class FakeClock:
+    """Stands in for the ``time`` module where a connector reads ``time.monotonic()``."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_heartbeats_keep_the_kv_for_a_consumer_that_waits_past_the_lease(model_dir, monkeypatch):
+    """The producer's lease is 1 s; the consumer's request waits 4.2 s (a fake clock) in its
+    scheduler before the load starts. From its arrival its scheduler heartbeats the producer
+    every quarter of that lease, which keeps the staged copy, and the pull then gets the KV;
+    once the load finished the heartbeats stop. Without them the lease ends at 1 s."""
+    from pddcore.integrations.vllm import producer, scheduler
+
+    clock = FakeClock()
+    monkeypatch.setattr(producer, "time", clock)
+    monkeypatch.setattr(scheduler, "time", clock)
+    pw = make_worker(model_dir, "kv_producer", seed=46, extra={"lease_s": 1.0})
+    cw = make_worker(model_dir, "kv_consumer", seed=47)
+    cs = make_scheduler(model_dir, "kv_consumer")
+    idle_step = SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={})
+    try:
+        p_blocks, d_blocks = [3, 8], [10, 12]
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}), forward=True)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 1.0}))
+        params = dict(pushed_params(pw, "p-req", p_blocks), pdd_pushed=False, pdd_lease_s=1.0)
+        cs.add_request(make_request("d-req", list(range(100, 132)), 1, params))  # waits in the queue
+        for _ in range(12):
+            clock.now += 0.35
+            meta = cs.connector.build_connector_meta(idle_step)
+            assert list(meta.heartbeats) == ["p-req"]  # 0.35 s > 1 s / 4: one each step
+            worker_step(cw, meta)
+            drive([pw.conn, cw.conn], lambda r, e: "p-req" not in pw.conn._staged
+                  or pw.conn._staged["p-req"].deadline >= clock.now + 1.0)  # this heartbeat arrived
+        pull(cw, "d-req", params, d_blocks)
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
+        assert not results[1].failed_recving and not errors[1]
+        assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks))
+        cs.connector.update_connector_output(KVConnectorOutput(finished_recving={"d-req"}))
+        clock.now += 1.0
+        assert cs.connector.build_connector_meta(idle_step).heartbeats == {}
     finally:
         pw.conn.shutdown()
         cw.conn.shutdown()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from .._heads import head_slices
 from .._messages import MalformedMessage
 from .._staging import StagingBuffer
 from .base_worker import Handler, WorkerBase
-from .metadata import PDDConnectorMetadata, _Load
+from .metadata import PDDConnectorMetadata, _Load, producer_addresses
 
 __all__ = ["ConsumerWorker"]
 
@@ -70,6 +71,9 @@ class ConsumerWorker(WorkerBase):
         self._load_errors: set[int] = set()
         # Loads reported finished whose unpack may still run: (event after it, load, scratch buffer).
         self._unpacking: list[tuple[Any, _PendingLoad, StagingBuffer | None]] = []
+        # Heartbeats leave from their own thread: a producer that does not answer a connect
+        # must not hold up the forward.
+        self._heartbeat_sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdd-heartbeat")
 
     def _message_handlers(self) -> dict[str, Handler]:
         return {**super()._message_handlers(), "done": self._on_done, "fail": self._on_fail}
@@ -79,15 +83,23 @@ class ConsumerWorker(WorkerBase):
         self._release_unpacked()
         super()._progress()
 
+    def _close_worker(self) -> None:
+        self._heartbeat_sender.shutdown(wait=True, cancel_futures=True)
+        super()._close_worker()
+
     @on_kv_device
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, PDDConnectorMetadata):
             return
         for req_id, params in meta.cancelled_loads.items():
-            for address in self._producer_addresses(params):
+            for address in producer_addresses(params):
                 self._peers.send(address, "drop", req=params.get("remote_request_id"), d_req=req_id,
                                  d_engine=self.engine_id)
+        for remote_req, addresses in meta.heartbeats.items():
+            # Each producer rank hears from one rank of this consumer: r, r + tp, ... from rank r.
+            for address in addresses[self.tp_rank::self.tp_size]:
+                self._heartbeat_sender.submit(self._peers.send, address, "alive", req=remote_req)
         for req_id, load in meta.loads.items():
             try:
                 self._start(req_id, load)
@@ -106,11 +118,6 @@ class ConsumerWorker(WorkerBase):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _producer_addresses(self, params: dict) -> list[str]:
-        if params.get("pdd_addresses"):
-            return list(params["pdd_addresses"])
-        return [f"{params['remote_host']}:{int(params['remote_port']) + r}" for r in range(int(params.get("tp_size", 1)))]
-
     @staticmethod
     def _remote_blocks(load: _Load) -> int:
         """How many blocks the producer holds for ``load``; checks that they cover it."""
@@ -123,7 +130,7 @@ class ConsumerWorker(WorkerBase):
     def _start_load(self, req_id: str, load: _Load) -> None:
         params, n = load.params, len(load.local_block_ids)
         self._remote_blocks(load)
-        addresses = self._producer_addresses(params)
+        addresses = producer_addresses(params)
         if self.layout.is_mla:  # every producer rank holds the one latent: rank r reads rank r % their TP
             sources = [(self.tp_rank % len(addresses), None, None)]
             # The producer ranks no rank of this TP size reads: rank r tells those of index r + k * tp.

@@ -6,6 +6,7 @@ Example::
     meta = PDDConnectorMetadata(saves={"p-1": [3, 8]})              # producer: stage blocks 3, 8
     meta = PDDConnectorMetadata(saves={"p-1": [3, 8]}, pushes={"p-1": ["10.0.0.2:7000"]})   # ... and push them
     meta = PDDConnectorMetadata(loads={"d-1": _Load([10, 12], 0, kv_transfer_params)})   # consumer
+    meta = PDDConnectorMetadata(heartbeats={"p-1": ["10.0.0.1:7000"]})  # consumer: keep p-1's KV
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-__all__ = ["PDDConnectorMetadata", "PDDHandshakeMetadata"]
+__all__ = ["PDDConnectorMetadata", "PDDHandshakeMetadata", "producer_addresses"]
 
 
 @dataclass
@@ -25,6 +26,14 @@ class PDDHandshakeMetadata(KVConnectorHandshakeMetadata):
     tp_rank: int
     tp_size: int
     total_kv_heads: int
+
+
+def producer_addresses(params: dict) -> list[str]:
+    """The engine address of every producer rank of a request's ``kv_transfer_params``: the
+    workers' own (``pdd_addresses``), else ``remote_host:remote_port + rank``."""
+    if params.get("pdd_addresses"):
+        return list(params["pdd_addresses"])
+    return [f"{params['remote_host']}:{int(params['remote_port']) + r}" for r in range(int(params.get("tp_size", 1)))]
 
 
 @dataclass
@@ -50,3 +59,4 @@ class PDDConnectorMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)                 # producer: staged copies gone stale
     loads: dict[str, _Load] = field(default_factory=dict)            # consumer: req -> what to pull
     cancelled_loads: dict[str, dict] = field(default_factory=dict)   # consumer: aborted before the pull
+    heartbeats: dict[str, list[str]] = field(default_factory=dict)   # consumer: producer req -> its ranks

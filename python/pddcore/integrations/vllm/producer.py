@@ -96,7 +96,7 @@ class ProducerWorker(WorkerBase):
         self._serving: dict[str, list[tuple[Transfer, StagingBuffer | None, dict]]] = {}
 
     def _message_handlers(self) -> dict[str, Handler]:
-        return {**super()._message_handlers(), "pull": self._on_pull, "drop": self._on_drop}
+        return {**super()._message_handlers(), "pull": self._on_pull, "drop": self._on_drop, "alive": self._on_alive}
 
     def _progress(self) -> None:
         self._progress_sends()
@@ -226,6 +226,14 @@ class ProducerWorker(WorkerBase):
         if staged is not None:
             staged.shares.setdefault((msg["d_engine"], msg["d_req"]), Share(0)).dropped = True
             self._finish_if_served(msg["req"])
+
+    def _on_alive(self, message: Message, msg: dict) -> None:
+        """A consumer's heartbeat: it still waits for the request's KV, so its lease starts
+        again (as vLLM's NixlConnector extends a lease on a heartbeat). Only a finished
+        request has a lease; one still prefilling needs none."""
+        staged = self._staged.get(msg["req"])
+        if staged is not None and staged.deadline is not None:
+            staged.deadline = max(staged.deadline, time.monotonic() + self.lease_s)
 
     def _serve(self, req_id: str) -> None:
         staged = self._staged.get(req_id)

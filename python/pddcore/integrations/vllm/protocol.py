@@ -10,7 +10,9 @@ concerns under ``req``):
 * ``done`` (the producer's write notification): rank ``src``'s share of ``req`` landed;
 * ``fail`` (either way): ``req`` failed for ``reason``;
 * ``drop`` (consumer -> producer): consumer ``d_engine``'s request ``d_req`` needs nothing
-  from this producer rank: it aborted before pulling, or (MLA) no rank of its TP size reads it.
+  from this producer rank: it aborted before pulling, or (MLA) no rank of its TP size reads it;
+* ``alive`` (consumer -> producer, a heartbeat): a consumer still waits for ``req``'s KV, so
+  its lease starts again.
 
 Push mode (``req`` is the producer's request id, which also keys the layer stream):
 
@@ -39,6 +41,7 @@ MESSAGES = MessageSchema(MAGIC, "PDDConnector", key="req", key_check=is_str, kin
     "done": {"src": is_int},
     "fail": {"reason": is_str},
     "drop": {"d_req": is_str, "d_engine": is_str},
+    "alive": {},
     "reserve": {"nbytes": is_int, "num_layers": is_int, "reply": is_str},
     "reserved": {"region": is_hex, "offset": is_int},
     "refused": {"reason": is_str},

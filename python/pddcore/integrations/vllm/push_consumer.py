@@ -36,7 +36,7 @@ from .._staging import StagingBuffer, StagingExhausted
 from .base_worker import Handler
 from .consumer import ConsumerWorker, _PendingLoad
 from .layer_major import layer_major_layout
-from .metadata import _Load
+from .metadata import _Load, producer_addresses
 
 __all__ = ["PushConsumer"]
 
@@ -97,7 +97,7 @@ class PushConsumer(ConsumerWorker):
             super()._start(req_id, load)
             return
         params, remote_blocks = load.params, self._remote_blocks(load)
-        addresses = self._producer_addresses(params)
+        addresses = producer_addresses(params)
         if not self.layout.is_mla and len(addresses) != self.tp_size:
             raise ValueError(f"pushed KV needs equal TP sizes (or MLA); the producer has {len(addresses)} ranks, "
                              f"this consumer {self.tp_size}")

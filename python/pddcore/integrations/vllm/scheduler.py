@@ -10,20 +10,28 @@ A producer's finished request answers with the ``kv_transfer_params`` a consumer
 Push mode: a producer request that arrives with ``"pdd_push_to": ["10.0.0.2:7100"]`` (the
 consumer's worker addresses, one per rank) is streamed there during its forward, and its
 answer adds ``"pdd_pushed": True``.
+
+A consumer's request heartbeats its producer from the moment it arrives until its KV is
+loaded (it may wait in the queue far longer than the producer's lease): every quarter of the
+lease its producer named (``pdd_lease_s``), the step's metadata lists it in ``heartbeats``
+and the workers send ``alive``, as vLLM's NixlConnector does.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from .metadata import PDDConnectorMetadata, _Load
+from .metadata import PDDConnectorMetadata, _Load, producer_addresses
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerSide"]
@@ -33,6 +41,16 @@ log = logging.getLogger(__name__)
 
 def _first_group(block_ids: Any) -> list[int]:
     return list(block_ids[0]) if isinstance(block_ids, tuple) else list(block_ids)
+
+
+@dataclass
+class _Awaited:
+    """A consumer request whose KV a producer keeps for it: heartbeat it every ``interval_s``."""
+
+    remote_req: str
+    addresses: list[str]
+    interval_s: float
+    next_s: float = 0.0
 
 
 class SchedulerSide:
@@ -47,6 +65,7 @@ class SchedulerSide:
         self._loads: dict[str, _Load] = {}
         self._meta = PDDConnectorMetadata()
         self._addresses: dict[int, str] = {}
+        self._awaited: dict[str, _Awaited] = {}   # consumer req -> its producer, until its KV is loaded
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self._addresses = {int(rank): m.address for rank, m in metadata.items()}
@@ -58,6 +77,26 @@ class SchedulerSide:
         if self.base_port is None:
             raise RuntimeError("PDDConnector: no worker handshake yet and no 'port' in kv_connector_extra_config")
         return self.host, int(self.base_port)
+
+    def on_new_request(self, request: "Request") -> None:
+        """A consumer request starts heartbeating its producer (see the module docstring)."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or params.get("remote_request_id") is None:
+            return
+        try:
+            addresses = producer_addresses(params)
+            lease_s = float(params.get("pdd_lease_s", self.lease_s))
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("PDDConnector: %s: no producer to heartbeat in its kv_transfer_params (%s)",
+                        request.request_id, exc)
+            return
+        if lease_s > 0:
+            self._awaited[request.request_id] = _Awaited(str(params["remote_request_id"]), addresses, lease_s / 4)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """A load that finished (or failed) needs its producer no more."""
+        for req_id in connector_output.finished_recving or ():
+            self._awaited.pop(req_id, None)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -79,6 +118,8 @@ class SchedulerSide:
             consumers = self._consumer_count(request.request_id, params)
             if consumers != 1:
                 self._consumers[request.request_id] = consumers
+        if params.get("do_remote_prefill") and num_external_tokens == 0:
+            self._awaited.pop(request.request_id, None)  # its own prefix cache holds it all: nothing to load
         if params.get("do_remote_prefill") and num_external_tokens > 0:
             all_ids = _first_group(blocks.get_block_ids())
             fresh = blocks.get_unhashed_block_ids()
@@ -88,6 +129,11 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta, self._meta = self._meta, PDDConnectorMetadata()
         meta.loads, self._loads = self._loads, {}
+        now = time.monotonic()
+        for awaited in self._awaited.values():
+            if now >= awaited.next_s:
+                meta.heartbeats[awaited.remote_req] = awaited.addresses
+                awaited.next_s = now + awaited.interval_s
         # A preempted request lost its blocks; resumed, it is saved again from its new ones.
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -107,6 +153,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         self._producing.pop(request.request_id, None)
         self._consumers.pop(request.request_id, None)
+        self._awaited.pop(request.request_id, None)
         pushed = self._push_to.pop(request.request_id, None) is not None
         if not params:
             return False, None
@@ -129,7 +176,7 @@ class SchedulerSide:
         return False, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=block_ids,
                           remote_engine_id=self.engine_id, remote_request_id=request.request_id,
                           remote_host=host, remote_port=port, tp_size=self.tp_size,
-                          remote_num_tokens=request.num_computed_tokens,
+                          remote_num_tokens=request.num_computed_tokens, pdd_lease_s=self.lease_s,
                           pdd_addresses=[self._addresses[r] for r in sorted(self._addresses)] or None,
                           **({"pdd_pushed": True} if pushed else {}))
 
