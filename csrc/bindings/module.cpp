@@ -55,14 +55,31 @@ NB_MODULE(_C, m) {
           [](const KVLayoutDesc& l, uint64_t n, std::vector<int64_t> layers, uint64_t h0, uint64_t h1) {
             return l.packed_nbytes(n, layers, {h0, h1});
           },
-          nb::arg("num_pages"), nb::arg("layers"), nb::arg("h0"), nb::arg("h1"));
+          nb::arg("num_pages"), nb::arg("layers"), nb::arg("h0"), nb::arg("h1"))
+      .def(
+          "pool_page_format",
+          [](const KVLayoutDesc& l) {
+            std::vector<std::vector<std::tuple<uint32_t, uint32_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                                               uint64_t>>> out;
+            for (uint32_t layer = 0; layer < l.num_layers(); ++layer)
+              for (const PageSpan& span : l.page_spans(layer)) {
+                out.emplace_back();
+                for (const SpanPlane& p : span.planes)
+                  out.back().emplace_back(p.layer, p.plane, p.offset, p.tokens_per_page, p.num_heads, p.head_bytes,
+                                          p.token_stride, p.head_stride);
+              }
+            return out;
+          });
 
   nb::class_<kv::CopyPlan>(m, "CopyPlan")
       .def(
           "__init__",
           [](kv::CopyPlan* self, const KVLayoutDesc& l, const IdArray& ids, std::vector<int64_t> layers, uint64_t h0,
-             uint64_t h1, bool for_cuda) { new (self) kv::CopyPlan(l, page_ids_of(ids), layers, {h0, h1}, for_cuda); },
-          nb::arg("layout"), nb::arg("page_ids"), nb::arg("layers"), nb::arg("h0"), nb::arg("h1"), nb::arg("for_cuda"))
+             uint64_t h1, bool for_cuda, bool pool_order) {
+            new (self) kv::CopyPlan(l, page_ids_of(ids), layers, {h0, h1}, for_cuda, pool_order);
+          },
+          nb::arg("layout"), nb::arg("page_ids"), nb::arg("layers"), nb::arg("h0"), nb::arg("h1"), nb::arg("for_cuda"),
+          nb::arg("pool_order") = false)
       .def_prop_ro("nbytes", &kv::CopyPlan::nbytes)
       .def_prop_ro("device_table_nbytes", &kv::CopyPlan::device_table_nbytes);
   m.def(

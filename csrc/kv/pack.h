@@ -25,9 +25,10 @@ enum class Direction { kPack, kUnpack };
 class CopyPlan {
  public:
   // Throws std::invalid_argument on a bad page id, layer or head range. `for_cuda` also
-  // prepares the items the CUDA kernel takes (each cut into slices).
+  // prepares the items the CUDA kernel takes (each cut into slices). `pool_order`: the
+  // pages' spans as they lie in the pool (KVLayoutDesc::plan_pool_order), all heads.
   CopyPlan(const KVLayoutDesc& layout, PageIds ids, const std::vector<int64_t>& layers, HeadRange heads,
-           bool for_cuda);
+           bool for_cuda, bool pool_order = false);
 
   // Bytes the selection packs to.
   uint64_t nbytes() const { return nbytes_; }

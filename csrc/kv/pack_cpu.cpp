@@ -13,10 +13,20 @@ static ThreadPool& pool() {
   return p;
 }
 
+template <typename Id>
+static std::vector<CopyItem> plan_of(const KVLayoutDesc& layout, const Id* ids, size_t n,
+                                     const std::vector<int64_t>& layers, HeadRange heads, bool pool_order) {
+  if (!pool_order) return layout.plan(ids, n, layers, heads);
+  if (heads.begin != 0 || heads.end != 0) throw std::invalid_argument("pool order copies whole pages: no head slice");
+  return layout.plan_pool_order(ids, n, layers);
+}
+
 CopyPlan::CopyPlan(const KVLayoutDesc& layout, PageIds ids, const std::vector<int64_t>& layers, HeadRange heads,
-                   bool for_cuda)
-    : items_(ids.is_int64 ? layout.plan(static_cast<const int64_t*>(ids.data), ids.count, layers, heads)
-                          : layout.plan(static_cast<const int32_t*>(ids.data), ids.count, layers, heads)),
+                   bool for_cuda, bool pool_order)
+    : items_(ids.is_int64
+                 ? plan_of(layout, static_cast<const int64_t*>(ids.data), ids.count, layers, heads, pool_order)
+                 : plan_of(layout, static_cast<const int32_t*>(ids.data), ids.count, layers, heads, pool_order)),
+      // Pool-order spans are tiled by the pages' cells: the same bytes as canonical order.
       nbytes_(layout.packed_nbytes(ids.count, layers, heads)) {
   if (for_cuda) device_items_ = slice_items(items_);
 }

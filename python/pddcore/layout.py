@@ -99,6 +99,7 @@ class KVLayout:
         self.device = _resolve_device(torch.device(device))
         self._tensors = list(tensors)
         self._tokens_per_page_arg: int | None = None
+        self._pool_page_format: tuple | None = None
         self._desc = _C.KVLayoutDesc(
             [(p.base, p.num_pages, p.page_stride, p.tokens_per_page, p.num_heads, p.head_bytes, p.token_stride,
               p.head_stride) for p in self.planes],
@@ -256,6 +257,18 @@ class KVLayout:
     @property
     def tokens_per_page(self) -> int:
         return self.planes[0].tokens_per_page
+
+    @property
+    def pool_page_format(self) -> tuple:
+        """What :func:`pddcore.pack` with ``order="pool"`` depends on: per layer, the spans
+        its pages are copied as (K and V in one where their cells tile it, as vLLM 0.33's
+        rows do; else one per plane), each a tuple of its planes' ``(layer, plane, offset in
+        the span, tokens_per_page, num_heads, head_bytes, token_stride, head_stride)``. Two
+        pools with equal formats exchange pages in pool order. Raises ``ValueError`` for a
+        layout whose planes leave gaps within a page (no pool order)."""
+        if self._pool_page_format is None:
+            self._pool_page_format = tuple(tuple(span) for span in self._desc.pool_page_format())
+        return self._pool_page_format
 
     def packed_nbytes(self, num_pages: int, layers: Sequence[int] | None = None,
                       heads: tuple[int, int] | None = None) -> int:

@@ -9,7 +9,20 @@ Packed byte order is layer-major, exactly::
                     bytes of heads [h0, h1) of that token
 
 so layer i's bytes can be sent as soon as that layer is ready. Consecutive page ids are
-coalesced into one copy. On CPU the copy runs on a pool of C++ threads with the GIL
+coalesced into one copy.
+
+Between pools that share a page format (equal :attr:`KVLayout.pool_page_format`, e.g.
+two vLLM 0.33 engines), ``order="pool"`` moves each page as it lies in the pool instead::
+
+    for layer in layers:
+        for span in spans(layer):        # K and V together where they alternate within a
+            for page in page_ids:        # page (vLLM's rows); else each plane on its own
+                the span's bytes, as in the pool
+
+one copy per run of consecutive page ids rather than one per 256-byte cell; same size as
+the canonical bytes, no head slice. ``unpack(..., order="pool", page_format=...)`` takes
+the packing layout's ``pool_page_format`` and refuses a buffer from a pool of another
+format (ValueError, nothing written). On CPU the copy runs on a pool of C++ threads with the GIL
 released; on CUDA it is one kernel launch, on the layout's device and that device's
 current stream, that may write straight into pinned host memory. Every check runs
 before the first byte moves: on a bad argument nothing is written.
@@ -86,17 +99,29 @@ class PackPlan:
     """
 
     def __init__(self, layout: KVLayout, page_ids: torch.Tensor, *, layers: Sequence[int] | None = None,
-                 heads: tuple[int, int] | None = None, _wait_for_upload: bool = True):
+                 heads: tuple[int, int] | None = None, order: str = "canonical", page_format: tuple | None = None,
+                 _wait_for_upload: bool = True):
         if not isinstance(layout, KVLayout):
             raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
         ids = _page_ids_on_host(page_ids)
         h0, h1 = _normalize_heads(heads)
         if heads is not None and layout.is_mla:
             raise ValueError("heads= does not apply to an MLA layout: its latent plane is not split by head")
+        if order not in ("canonical", "pool"):
+            raise ValueError(f"order must be 'canonical' or 'pool', got {order!r}")
+        if order == "pool" and heads is not None:
+            raise ValueError("order='pool' moves whole pages: heads= does not apply")
+        if order == "canonical" and page_format is not None:
+            raise ValueError("page_format= applies to order='pool' only")
+        if page_format is not None and page_format != layout.pool_page_format:
+            raise ValueError("page_format differs from this layout's pool_page_format: pages in pool order from a "
+                             "pool of another format would land scrambled; use order='canonical'")
         self.layout = layout
-        self._selection = (ids, layers, heads)
+        self.order = order
+        self._page_format = page_format
+        self._selection = (ids, layers, heads, order, page_format)
         on_cuda = layout.device.type == "cuda"
-        self._plan = _C.CopyPlan(layout._desc, ids, list(layers or []), h0, h1, on_cuda)
+        self._plan = _C.CopyPlan(layout._desc, ids, list(layers or []), h0, h1, on_cuda, order == "pool")
         self.nbytes = int(self._plan.nbytes)  # bytes the selection packs to
         self._table = None
         if on_cuda:
@@ -125,7 +150,10 @@ class PackPlan:
 
     def unpack(self, buf: torch.Tensor) -> None:
         """Writes ``buf`` (what `pack` produced for the same layers and heads) into the
-        planned pages."""
+        planned pages. In pool order the plan must have been given the packing layout's
+        ``page_format``."""
+        if self.order == "pool" and self._page_format is None:
+            raise ValueError("unpacking in pool order needs page_format= (the packing layout's pool_page_format)")
         _check_buffer(self.layout, buf, "buf")
         self._check_size(buf, "buf")
         if torch.compiler.is_compiling():
@@ -142,9 +170,9 @@ class PackPlan:
         them that torch.compile's functionalization made (then planned again over those)."""
         own = self.layout.tensors
         if any(a.data_ptr() != b.data_ptr() for a, b in zip(planes, own)):
-            ids, layers, heads = self._selection
-            PackPlan(self.layout.over(planes), ids, layers=layers, heads=heads, _wait_for_upload=False)._run(
-                buf, pack, planes)
+            ids, layers, heads, order, page_format = self._selection
+            PackPlan(self.layout.over(planes), ids, layers=layers, heads=heads, order=order, page_format=page_format,
+                     _wait_for_upload=False)._run(buf, pack, planes)
             return
         if self._table is None:
             _C.run_copy_plan_cpu(self._plan, buf, pack)
@@ -188,7 +216,8 @@ def _(plan_id, buf, planes) -> None:
 
 
 def pack(layout: KVLayout, page_ids: torch.Tensor, *, layers: Sequence[int] | None = None,
-         heads: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+         heads: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+         order: str = "canonical") -> torch.Tensor:
     """Copies the pages ``page_ids`` of ``layout`` into one uint8 buffer and returns it.
 
     Args:
@@ -199,18 +228,25 @@ def pack(layout: KVLayout, page_ids: torch.Tensor, *, layers: Sequence[int] | No
         out: optional destination, 1-D contiguous uint8 of at least
             ``layout.packed_nbytes(len(page_ids), layers, heads)`` bytes; on a CUDA layout
             it may be pinned host memory.
+        order: ``"canonical"`` (any pool unpacks it) or ``"pool"`` (whole pages as they lie
+            in the pool, for a pool of the same ``pool_page_format``; no ``heads``).
     Returns:
         ``out`` (or a new tensor on the layout's device), exactly the packed bytes long.
     """
-    return PackPlan(layout, page_ids, layers=layers, heads=heads, _wait_for_upload=False).pack(out)
+    return PackPlan(layout, page_ids, layers=layers, heads=heads, order=order, _wait_for_upload=False).pack(out)
 
 
 def unpack(layout: KVLayout, page_ids: torch.Tensor, buf: torch.Tensor, *, layers: Sequence[int] | None = None,
-           heads: tuple[int, int] | None = None) -> None:
-    """Writes a buffer produced by :func:`pack` (same layers and heads) into the pages
-    ``page_ids`` of ``layout``. Raises ``ValueError`` and writes nothing if ``buf`` is
-    shorter than ``layout.packed_nbytes(len(page_ids), layers, heads)``."""
-    PackPlan(layout, page_ids, layers=layers, heads=heads, _wait_for_upload=False).unpack(buf)
+           heads: tuple[int, int] | None = None, order: str = "canonical", page_format: tuple | None = None) -> None:
+    """Writes a buffer produced by :func:`pack` (same layers, heads and order) into the
+    pages ``page_ids`` of ``layout``. Raises ``ValueError`` and writes nothing if ``buf``
+    is shorter than ``layout.packed_nbytes(len(page_ids), layers, heads)``, or, in pool
+    order, unless ``page_format`` (the packing layout's ``pool_page_format``) equals this
+    layout's."""
+    if order == "pool" and page_format is None:
+        raise ValueError("unpacking in pool order needs page_format= (the packing layout's pool_page_format)")
+    PackPlan(layout, page_ids, layers=layers, heads=heads, order=order, page_format=page_format,
+             _wait_for_upload=False).unpack(buf)
 
 
 def set_num_threads(n: int) -> None:

@@ -11,14 +11,22 @@
 // Packed byte order is canonical whatever the pool's strides, so pools of different
 // layouts exchange pages: for each selected layer, for each of its planes, for each page
 // id in the order given, token after token, the selected heads' cells.
+//
+// Pool order (plan_pool_order) is for pools that share a page format (pool_page_format):
+// for each selected layer, for each span its pages' cells tile (one span holding K and V
+// where they alternate within a page, as in vLLM 0.33's rows; else one per plane), for
+// each page id, the span's bytes as they lie in the pool: one copy per run of consecutive
+// page ids instead of one per cell.
 #pragma once
 
 #include <cstddef>
 #include <algorithm>
 #include <cstdint>
 #include <iterator>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pddcore {
@@ -58,6 +66,25 @@ struct CopyItem {
   uint64_t packed_stride;
 
   uint64_t nbytes() const { return rows * row_bytes; }
+};
+
+// Where one plane's cells sit in a pool-order span: what two pools must agree on to
+// exchange pages in pool order (compared field by field).
+struct SpanPlane {
+  uint32_t layer, plane;
+  uint64_t offset;  // of the plane's page start within the span
+  uint64_t tokens_per_page, num_heads, head_bytes, token_stride, head_stride;
+  bool operator==(const SpanPlane& o) const {
+    return layer == o.layer && plane == o.plane && offset == o.offset && tokens_per_page == o.tokens_per_page &&
+           num_heads == o.num_heads && head_bytes == o.head_bytes && token_stride == o.token_stride &&
+           head_stride == o.head_stride;
+  }
+};
+
+// One page's span of a layer in pool order: page i's starts at `start + i * page_stride`.
+struct PageSpan {
+  uint64_t start, bytes, page_stride;
+  std::vector<SpanPlane> planes;
 };
 
 namespace detail {
@@ -159,6 +186,49 @@ class KVLayoutDesc {
     }
   }
 
+  // The spans layer l's pages are copied as in pool order: one covering all its planes when
+  // their cells tile it exactly (no gap, no overlap), else one per plane whose cells tile
+  // its own; throws std::invalid_argument when neither holds.
+  std::vector<PageSpan> page_spans(uint32_t l) const {
+    std::vector<uint32_t> all(planes_per_layer_);
+    for (uint32_t k = 0; k < planes_per_layer_; ++k) all[k] = k;
+    if (std::optional<PageSpan> span = tiled_span(l, all)) return {*span};
+    std::vector<PageSpan> spans;
+    for (uint32_t k = 0; k < planes_per_layer_; ++k) {
+      std::optional<PageSpan> span = tiled_span(l, {k});
+      if (!span)
+        throw std::invalid_argument("layer " + std::to_string(l) + " plane " + std::to_string(k) +
+                                    ": its cells leave gaps within a page, so its pages cannot move in pool order");
+      spans.push_back(std::move(*span));
+    }
+    return spans;
+  }
+
+  // The pool-order copy plan (see the top of this file); every selected layer must have
+  // page_spans. Packs to as many bytes as the canonical plan without a head slice.
+  template <typename Id>
+  std::vector<CopyItem> plan_pool_order(const Id* ids, size_t n, const std::vector<int64_t>& layer_sel) const {
+    const std::vector<uint32_t> layers = resolve_layers(layer_sel);
+    check_page_ids(ids, n, layers);
+    std::vector<CopyItem> items;
+    uint64_t offset = 0;
+    for (uint32_t l : layers) {
+      for (const PageSpan& span : page_spans(l)) {
+        for (size_t i = 0; i < n;) {
+          const size_t run = run_length(ids, n, i);
+          const uint64_t first = span.start + static_cast<uint64_t>(ids[i]) * span.page_stride;
+          if (span.page_stride == span.bytes)
+            items.push_back({first, offset, 1, run * span.bytes, 0, 0});
+          else
+            items.push_back({first, offset, run, span.bytes, span.page_stride, span.bytes});
+          offset += run * span.bytes;
+          i += run;
+        }
+      }
+    }
+    return items;
+  }
+
   // Builds the copy plan. Runs of consecutive page ids become one item when whole,
   // densely strided pages move; otherwise each page becomes the fewest strided copies
   // its cell strides allow.
@@ -176,9 +246,7 @@ class KVLayoutDesc {
         const uint64_t slice_page = p.tokens_per_page * (h.end - h.begin) * p.head_bytes;
         size_t i = 0;
         while (i < n) {
-          size_t run = 1;
-          while (i + run < n && static_cast<int64_t>(ids[i + run]) == static_cast<int64_t>(ids[i]) + static_cast<int64_t>(run))
-            ++run;
+          const size_t run = run_length(ids, n, i);
           const uint64_t page0 = p.base + static_cast<uint64_t>(ids[i]) * p.page_stride;
           const bool whole_pages = p.dense_page() && h.begin == 0 && h.end == p.num_heads;
           if (whole_pages && p.page_stride == p.page_bytes()) {
@@ -201,6 +269,49 @@ class KVLayoutDesc {
   }
 
  private:
+  // How many page ids from position i on are consecutive (ids[i], ids[i] + 1, ...).
+  template <typename Id>
+  static size_t run_length(const Id* ids, size_t n, size_t i) {
+    size_t run = 1;
+    while (i + run < n && static_cast<int64_t>(ids[i + run]) == static_cast<int64_t>(ids[i]) + static_cast<int64_t>(run))
+      ++run;
+    return run;
+  }
+
+  // The span page 0's cells of layer l's planes `ks` tile exactly, if they do, and no
+  // wider than their (common) page stride.
+  std::optional<PageSpan> tiled_span(uint32_t l, const std::vector<uint32_t>& ks) const {
+    std::vector<std::pair<uint64_t, uint64_t>> cells;  // address, bytes
+    const uint64_t stride = plane(l, ks.front()).page_stride;
+    for (uint32_t k : ks) {
+      const PlaneDesc& p = plane(l, k);
+      if (p.page_stride != stride) return std::nullopt;
+      if (p.dense_page()) {
+        cells.emplace_back(p.base, p.page_bytes());
+      } else {
+        for (uint64_t t = 0; t < p.tokens_per_page; ++t) {
+          if (p.heads_adjacent()) {
+            cells.emplace_back(p.base + t * p.token_stride, p.row_bytes());
+            continue;
+          }
+          for (uint64_t h = 0; h < p.num_heads; ++h)
+            cells.emplace_back(p.base + t * p.token_stride + h * p.head_stride, p.head_bytes);
+        }
+      }
+    }
+    std::sort(cells.begin(), cells.end());
+    for (size_t i = 1; i < cells.size(); ++i)
+      if (cells[i].first != cells[i - 1].first + cells[i - 1].second) return std::nullopt;
+    PageSpan span{cells.front().first, cells.back().first + cells.back().second - cells.front().first, stride, {}};
+    if (span.bytes > stride && plane(l, ks.front()).num_pages > 1) return std::nullopt;
+    for (uint32_t k : ks) {
+      const PlaneDesc& p = plane(l, k);
+      span.planes.push_back({l, k, p.base - span.start, p.tokens_per_page, p.num_heads, p.head_bytes, p.token_stride,
+                             p.head_stride});
+    }
+    return span;
+  }
+
   // Copies for the selected heads of one page, packed token after token.
   static void plan_page(const PlaneDesc& p, HeadRange h, uint64_t page, uint64_t packed, std::vector<CopyItem>& out) {
     const uint64_t heads = h.end - h.begin;
