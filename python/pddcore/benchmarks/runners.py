@@ -305,9 +305,9 @@ def case_tls(quick: bool, backend: str) -> CaseOutput:
         rows += [Row("tls", f"{where}, TLS (token)", r.tls_gbps, "plain", r.plain_gbps, "GB/s"),
                  Row("tls", f"{where}, TLS (certificates)", r.cert_gbps, "plain", r.plain_gbps, "GB/s"),
                  Row("tls", f"{where}, TLS (certificates)", r.cert_gbps, "TLS (token)", r.tls_gbps, "GB/s"),
-                 Row("tls", f"{where}, connect() with certificates", r.connect_ms["cert"], "TLS (token)",
+                 Row("tls", f"{where}, connect(), certificates", r.connect_ms["cert"], "TLS (token)",
                      r.connect_ms["tls"], "ms"),
-                 Row("tls", f"{where}, connect() with certificates", r.connect_ms["cert"], "plain",
+                 Row("tls", f"{where}, connect(), certificates", r.connect_ms["cert"], "plain",
                      r.connect_ms["plain"], "ms")]
     cipher = tls_cases.cipher_gbps((256 << 20) if quick else (1 << 30))
     rows.append(Row("tls", "AES-128-GCM seal, one core", cipher, "10 Gbit/s line", 1.25, "GB/s"))
