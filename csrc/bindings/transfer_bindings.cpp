@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "../transport/engine.h"
+#include "../transport/engine_arguments.h"
 
 namespace nb = nanobind;
 using namespace pddcore::transfer;
@@ -24,6 +25,8 @@ std::string to_string(const nb::bytes& b) { return std::string(b.c_str(), b.size
 void bind_transfer(nb::module_& m) {
   m.def("aes_gcm_seal_rate", &aes_gcm_seal_rate, nb::arg("total_bytes"), nb::call_guard<nb::gil_scoped_release>());
   m.def("engine_id_for_name", &engine_id_for_name, nb::arg("name"));
+  m.def("available_congestion_controls", &available_congestion_controls);
+  m.attr("MIN_AUTH_TOKEN_BYTES") = kMinAuthTokenBytes;
   nb::exception<TransferError>(m, "TransferError", PyExc_RuntimeError);
 
   nb::class_<Peer>(m, "PeerHandle")
@@ -42,45 +45,46 @@ void bind_transfer(nb::module_& m) {
   nb::class_<Engine>(m, "TransferEngineCore")
       .def(
           "__init__",
-          [](Engine* self, const std::string& backend, const std::string& host, uint16_t port, uint32_t streams,
-             uint32_t chunk_bytes, std::optional<nb::bytes> auth_token, double timeout_s, double rate_limit_bps,
-             uint32_t max_retries, const std::string& rdma_device, uint8_t ib_port, int gid_index,
-             double queue_delay_target_s, uint32_t max_connections, uint32_t max_connections_per_host,
-             uint64_t max_inbox_bytes, bool tls, double idle_timeout_s, const std::string& congestion_control,
-             const std::string& tls_ca, const std::string& tls_cert, const std::string& tls_key) {
-            EngineOptions o;
-            o.backend = backend;
-            o.listen_host = host;
-            o.listen_port = port;
-            o.streams = streams;
-            o.chunk_bytes = chunk_bytes;
-            o.has_token = auth_token.has_value();
-            if (auth_token) o.auth_token = to_string(*auth_token);
-            o.timeout_s = timeout_s;
-            o.rate_limit_bps = rate_limit_bps;
-            o.queue_delay_target_s = queue_delay_target_s;
-            o.max_retries = max_retries;
-            o.rdma_device = rdma_device;
-            o.ib_port = ib_port;
-            o.gid_index = gid_index;
-            o.max_connections = max_connections;
-            o.max_connections_per_host = max_connections_per_host;
-            o.max_inbox_bytes = max_inbox_bytes;
-            o.tls = tls;
-            o.tls_ca_file = tls_ca;
-            o.tls_cert_file = tls_cert;
-            o.tls_key_file = tls_key;
-            o.idle_timeout_s = idle_timeout_s;
-            o.congestion_control = congestion_control;
+          [](Engine* self, const std::string& backend, const std::string& listen, std::optional<int64_t> streams,
+             int64_t chunk_bytes, std::optional<nb::bytes> auth_token, bool insecure, bool tls, const std::string& tls_ca,
+             const std::string& tls_cert, const std::string& tls_key, std::optional<std::string> congestion_control,
+             double timeout_s, std::optional<double> rate_limit_bps, std::optional<double> queue_delay_target_s,
+             int64_t max_retries, int64_t max_connections, int64_t max_connections_per_host, int64_t max_inbox_bytes,
+             double idle_timeout_s, std::optional<std::string> rdma_device, int64_t ib_port,
+             std::optional<int64_t> gid_index) {
+            EngineArguments a;
+            a.backend = backend;
+            a.listen = listen;
+            a.streams = streams;
+            a.chunk_bytes = chunk_bytes;
+            if (auth_token) a.auth_token = to_string(*auth_token);
+            a.insecure = insecure;
+            a.tls = tls;
+            a.tls_ca = tls_ca;
+            a.tls_cert = tls_cert;
+            a.tls_key = tls_key;
+            a.congestion_control = std::move(congestion_control);
+            a.timeout_s = timeout_s;
+            a.rate_limit_bps = rate_limit_bps;
+            a.queue_delay_target_s = queue_delay_target_s;
+            a.max_retries = max_retries;
+            a.max_connections = max_connections;
+            a.max_connections_per_host = max_connections_per_host;
+            a.max_inbox_bytes = max_inbox_bytes;
+            a.idle_timeout_s = idle_timeout_s;
+            a.rdma_device = std::move(rdma_device);
+            a.ib_port = ib_port;
+            a.gid_index = gid_index;
             nb::gil_scoped_release release;
-            new (self) Engine(std::move(o));
+            new (self) Engine(engine_options(a));
           },
-          nb::arg("backend"), nb::arg("host"), nb::arg("port"), nb::arg("streams"), nb::arg("chunk_bytes"),
-          nb::arg("auth_token").none(), nb::arg("timeout_s"), nb::arg("rate_limit_bps"), nb::arg("max_retries"),
-          nb::arg("rdma_device") = "", nb::arg("ib_port") = 1, nb::arg("gid_index") = -1,
-          nb::arg("queue_delay_target_s"), nb::arg("max_connections"), nb::arg("max_connections_per_host"),
-          nb::arg("max_inbox_bytes"), nb::arg("tls"), nb::arg("idle_timeout_s"), nb::arg("congestion_control"),
-          nb::arg("tls_ca") = "", nb::arg("tls_cert") = "", nb::arg("tls_key") = "")
+          nb::arg("backend"), nb::arg("listen"), nb::arg("streams").none(), nb::arg("chunk_bytes"),
+          nb::arg("auth_token").none(), nb::arg("insecure"), nb::arg("tls"), nb::arg("tls_ca"), nb::arg("tls_cert"),
+          nb::arg("tls_key"), nb::arg("congestion_control").none(), nb::arg("timeout_s"),
+          nb::arg("rate_limit_bps").none(), nb::arg("queue_delay_target_s").none(), nb::arg("max_retries"),
+          nb::arg("max_connections"), nb::arg("max_connections_per_host"), nb::arg("max_inbox_bytes"),
+          nb::arg("idle_timeout_s"), nb::arg("rdma_device").none(), nb::arg("ib_port"), nb::arg("gid_index").none())
+      .def_prop_ro("congestion_control", [](const Engine& e) { return e.options().congestion_control; })
       .def_prop_ro("address", &Engine::address)
       .def_prop_ro("engine_id", &Engine::engine_id)
       .def_prop_ro("backend", &Engine::backend_name)

@@ -23,24 +23,7 @@ Engine::Engine(EngineOptions options)
       inbox_(options_.max_inbox_bytes),
       rate_limiter_(options_.rate_limit_bps),
       tags_(random_transfer_tags()) {
-  // 0: "auto", the tcp backend chooses per peer from the path (tcp/stream_choice.h).
-  if (options_.streams > 64 || (options_.streams == 0 && options_.backend != "tcp"))
-    throw std::invalid_argument("streams must be in [1, 64], or 0 (auto) on the tcp backend");
-  if (options_.chunk_bytes == 0 || options_.chunk_bytes > wire::kMaxChunkBytes)
-    throw std::invalid_argument("chunk_bytes must be in [1, " + std::to_string(wire::kMaxChunkBytes) + "]");
-  if (!(options_.timeout_s > 0)) throw std::invalid_argument("timeout_s must be positive");
-  if (options_.rate_limit_bps < 0) throw std::invalid_argument("rate_limit_bps must be positive or 0 (unlimited)");
-  if (options_.queue_delay_target_s < 0) throw std::invalid_argument("queue_delay_target_s must be positive or 0 (off)");
-  if (options_.max_connections == 0 || options_.max_connections_per_host == 0 || options_.max_inbox_bytes == 0 ||
-      !(options_.idle_timeout_s > 0))
-    throw std::invalid_argument(
-        "max_connections, max_connections_per_host, max_inbox_bytes and idle_timeout_s must be positive");
-  const bool certificates =
-      !options_.tls_ca_file.empty() || !options_.tls_cert_file.empty() || !options_.tls_key_file.empty();
-  if (certificates && !options_.tls) throw std::invalid_argument("TLS certificates are given but tls is off");
-  if (options_.tls && !certificates && !options_.has_token)
-    throw std::invalid_argument("tls needs an auth_token (its key comes from it) or certificates");
-  if (certificates)
+  if (!options_.tls_cert_file.empty())  // engine_options() let certificates through only all three together
     tls_ = std::make_unique<TlsContext>(
         TlsCertificates{options_.tls_ca_file, options_.tls_cert_file, options_.tls_key_file});
   else if (options_.tls)

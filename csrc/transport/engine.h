@@ -77,6 +77,7 @@ using StatsMap = std::map<std::string, double>;
 
 class Engine final : public BackendHost {
  public:
+  // `options` as engine_options() (engine_arguments.h) returns them: checked there, and only there.
   explicit Engine(EngineOptions options);
   ~Engine() override;
   Engine(const Engine&) = delete;

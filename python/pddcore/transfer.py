@@ -50,7 +50,6 @@ The verbs emulator touches memory with the CPU, so it only takes host memory.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import threading
 from typing import Any, Iterable
@@ -59,15 +58,12 @@ import numpy as np
 import torch
 
 from . import _C
-from .auth_token import MIN_AUTH_TOKEN_BYTES, check_auth_token, new_auth_token
+from .auth_token import MIN_AUTH_TOKEN_BYTES, new_auth_token
 from .transfer_types import Message, Peer, Region, RegionDescriptor, Transfer, TransferError, WriteSpec
 
 __all__ = ["TransferEngine", "Region", "Peer", "Transfer", "TransferError", "RegionDescriptor", "Message",
            "WriteSpec", "available_congestion_controls", "new_auth_token", "MIN_AUTH_TOKEN_BYTES",
            "engine_id_for_name"]
-
-# streams="auto" on rdma: the QPs per peer (the tcp backend chooses per peer instead).
-_AUTO_QPS = 4
 
 
 def engine_id_for_name(name: str) -> int:
@@ -88,18 +84,17 @@ def _fold_congestion_control(peer: dict) -> dict:
 
 def available_congestion_controls() -> list[str]:
     """The TCP congestion controls this kernel offers (``TransferEngine(congestion_control=...)``)."""
-    try:
-        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
-            return f.read().split()
-    except OSError:
-        return []
+    return _C.available_congestion_controls()
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+def _as_ints(**values: Any) -> dict[str, int | None]:
+    """The engine's integer arguments as ints for the core, which checks their ranges; None
+    (absent) passes. A float, bool or str is refused here, where its Python type still shows
+    (in the core it would be a failed conversion)."""
+    for name, v in values.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+            raise ValueError(f"{name} must be an int, got {v!r}")
+    return {name: None if v is None else int(v) for name, v in values.items()}
 
 
 def _buffer_address(obj: Any) -> tuple[int, int, Any]:
@@ -215,64 +210,25 @@ class TransferEngine:
                  max_inbox_bytes: int = 64 << 20, tls: bool = False, idle_timeout_s: float = 300.0,
                  congestion_control: str | None = "auto", tls_cert: str | os.PathLike | None = None,
                  tls_key: str | os.PathLike | None = None, tls_ca: str | os.PathLike | None = None):
-        host, sep, port = listen.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"listen must be 'host:port', got {listen!r}")
+        # Every argument is checked once, in the core (csrc/transport/engine_arguments.cpp);
+        # here Python's forms become the core's: str tokens, paths, "auto" streams.
         if isinstance(auth_token, str):
             auth_token = auth_token.encode()
-        if auth_token is not None:
-            check_auth_token(auth_token)
-        certificates = [tls_cert, tls_key, tls_ca]
-        if any(f is not None for f in certificates) and any(f is None for f in certificates):
-            raise ValueError("TLS with certificates needs all of tls_cert, tls_key and tls_ca")
-        with_certificates = tls_cert is not None
-        tls = tls or with_certificates
-        if auth_token is None and not with_certificates and not insecure and not _is_loopback(host):
-            raise ValueError(f"an engine listening on {host} (reachable from other machines) needs an auth_token "
-                             "or certificates: without either anybody who reaches the port can write into its "
-                             "target regions. Pass auth_token=..., tls_cert/tls_key/tls_ca, or insecure=True on a "
-                             "network you trust")
-        if congestion_control == "auto" and "cubic" not in available_congestion_controls():
-            congestion_control = None  # "auto" dials with cubic (see below); without it, the system default
-        if congestion_control not in (None, "auto") and congestion_control not in available_congestion_controls():
-            raise ValueError(f"congestion_control {congestion_control!r} is not offered by this kernel; "
-                             f"available: {', '.join(available_congestion_controls())}")
-        if not idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s}")
-        if streams == "auto":
-            streams = 0 if backend == "tcp" else _AUTO_QPS  # 0: the tcp core chooses per peer
-        elif isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
-            raise ValueError(f"streams must be an int in [1, 64] or 'auto', got {streams!r}")
-        if tls and auth_token is None and not with_certificates:
-            raise ValueError("tls=True needs an auth_token (the TLS pre-shared key is derived from it) or "
-                             "tls_cert/tls_key/tls_ca")
-        for name, v in (("max_connections", max_connections), ("max_connections_per_host", max_connections_per_host),
-                        ("max_inbox_bytes", max_inbox_bytes)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if rate_limit_bps is not None and rate_limit_bps <= 0:
-            raise ValueError(f"rate_limit_bps must be positive, got {rate_limit_bps}")
-        if queue_delay_target_s is not None and not queue_delay_target_s > 0:
-            raise ValueError(f"queue_delay_target_s must be positive, got {queue_delay_target_s}")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        if backend != "rdma" and (device is not None or gid_index is not None or ib_port != 1):
-            raise ValueError(f"device, ib_port and gid_index apply to the rdma backend, not {backend!r}")
-        if not 1 <= ib_port <= 255 or (gid_index is not None and gid_index < 0):
-            raise ValueError(f"bad RDMA port {ib_port} or GID index {gid_index}")
-        self._core = _C.TransferEngineCore(backend, host, int(port), streams, chunk_bytes, auth_token,
-                                           float(timeout_s), float(rate_limit_bps or 0.0), max_retries,
-                                           device or "", ib_port, -1 if gid_index is None else gid_index,
-                                           float(queue_delay_target_s or 0.0), max_connections,
-                                           max_connections_per_host, max_inbox_bytes, bool(tls),
-                                           float(idle_timeout_s), congestion_control or "",
-                                           *(os.fspath(f) if f is not None else "" for f in (tls_ca, tls_cert, tls_key)))
+        self._core = _C.TransferEngineCore(
+            backend=backend, listen=listen, auth_token=auth_token, insecure=bool(insecure), tls=bool(tls),
+            **{name: "" if f is None else os.fspath(f) for name, f in (("tls_ca", tls_ca), ("tls_cert", tls_cert),
+                                                                      ("tls_key", tls_key))},
+            congestion_control=congestion_control, timeout_s=timeout_s, rate_limit_bps=rate_limit_bps,
+            queue_delay_target_s=queue_delay_target_s, idle_timeout_s=idle_timeout_s, rdma_device=device,
+            **_as_ints(streams=None if streams == "auto" else streams, chunk_bytes=chunk_bytes, max_retries=max_retries,
+                       max_connections=max_connections, max_connections_per_host=max_connections_per_host,
+                       max_inbox_bytes=max_inbox_bytes, ib_port=ib_port, gid_index=gid_index))
         self._lock = threading.Lock()
         self._regions: dict[int, Region] = {}
         self.timeout_s = float(timeout_s)
         #: The TCP congestion control of the data connections this engine dials (None: the
         #: system default; ``"auto"``: chosen per connection, see ``stats()``).
-        self.congestion_control = congestion_control
+        self.congestion_control = self._core.congestion_control or None
 
     # -- lifecycle ---------------------------------------------------------------------
 
