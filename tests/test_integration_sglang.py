@@ -115,8 +115,8 @@ class Rank:
     dim]`` of which this rank takes its heads (MHA) or everything (MLA); None: zeros."""
 
     def __init__(self, *, mla: bool, heads: int, total_heads: int, rank: int, fill: torch.Tensor | None = None,
-                 publish_heads: bool = True):
-        common = dict(size=SLOTS, page_size=PAGE, dtype=torch.bfloat16, layer_num=LAYERS, device="cpu",
+                 publish_heads: bool = True, device: str = "cpu"):
+        common = dict(size=SLOTS, page_size=PAGE, dtype=torch.bfloat16, layer_num=LAYERS, device=device,
                       enable_memory_saver=False)
         if mla:
             self.pool = MLATokenToKVPool(kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, **common)
@@ -132,7 +132,7 @@ class Rank:
                 plane.copy_(fill[layer, kind] if mla else fill[layer, kind, :, rank * heads:(rank + 1) * heads])
         self.aux = torch.zeros(8, AUX_ITEM, dtype=torch.uint8)
         args = conn.KVArgs()
-        args.engine_rank, args.page_size, args.gpu_id = rank, PAGE, 0
+        args.engine_rank, args.page_size, args.gpu_id = rank, PAGE, torch.device(device).index or 0
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = self.pool.get_contiguous_buf_infos()
         if not mla and publish_heads:  # prefill queue: always; decode queue: only with its staging buffer
             args.kv_head_num, args.total_kv_head_num = heads, total_heads
@@ -145,7 +145,7 @@ class Rank:
 
     def snapshot(self) -> np.ndarray:
         """Every plane's bytes as int16 ``[planes, pages, PAGE, heads, dim]`` (numpy has no bf16)."""
-        stacked = torch.stack(self.planes)
+        stacked = torch.stack(self.planes).cpu()
         return stacked.view(torch.int16).view(len(self.planes), self.num_pages, PAGE, *stacked.shape[2:]).numpy().copy()
 
 
@@ -269,9 +269,12 @@ def _drive_prefill(p_tp, total, fill, port, room, p_pages, prefix_pages, chunks,
         server.close()
 
 
-@pytest.mark.parametrize("mla,p_tp,d_tp", [(False, 1, 1), (False, 2, 1), (False, 1, 2), (True, 1, 1), (True, 1, 2)],
-                         ids=["mha-tp1-1", "mha-tp2-1", "mha-tp1-2", "mla-tp1-1", "mla-tp1-2"])
+@pytest.mark.parametrize("mla,p_tp,d_tp", [(False, 1, 1), (False, 2, 1), (False, 1, 2), (True, 1, 1), (True, 1, 2),
+                                        (True, 2, 1), (True, 4, 2)],
+                         ids=["mha-tp1-1", "mha-tp2-1", "mha-tp1-2", "mla-tp1-1", "mla-tp1-2", "mla-tp2-1", "mla-tp4-2"])
 def test_pages_and_prefix_suffix_arrive_byte_identical(run_decode, mla, p_tp, d_tp):
+    """Every prefill rank reaches Success with the decode's prefix length, including, with MLA
+    and the larger prefill TP, the ranks no decode rank reads (they are told so and send nothing)."""
     total, port, room = 4, _free_port(), 4242 + p_tp * 10 + d_tp + 100 * mla
     fill = _fill(mla, total, seed=p_tp * 7 + d_tp + mla)
     p_pages = [9, 3, 4, 11, 0, 6]           # the request's pages on prefill, in token order
@@ -330,17 +333,20 @@ def test_decode_abort_fails_prefill(run_decode):
 # ---- one process: both sides' managers side by side -------------------------------------------------
 
 class Pair:
-    """A bootstrap server, one prefill and one decode manager (TP 1, two KV heads) in this process."""
+    """A bootstrap server, one prefill and one decode manager (TP 1, two KV heads) in this
+    process, their pools on ``device``."""
 
-    def __init__(self, fill_seed: int = 3, **server_overrides):
+    def __init__(self, fill_seed: int = 3, device: str = "cpu", **server_overrides):
         self.port = _free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.server = pdd.PDDKVBootstrapServer("127.0.0.1", self.port)
         self.fill = _fill(False, 2, fill_seed)
-        self.src = Rank(mla=False, heads=2, total_heads=2, rank=0, fill=self.fill)
-        self.dst = Rank(mla=False, heads=2, total_heads=2, rank=0, publish_heads=False)
-        self.prefill = pdd.PDDKVManager(self.src.args, "prefill", _server_args(self.port, **server_overrides))
-        self.decode = pdd.PDDKVManager(self.dst.args, "decode", _server_args(_free_port()))
+        self.src = Rank(mla=False, heads=2, total_heads=2, rank=0, fill=self.fill, device=device)
+        self.dst = Rank(mla=False, heads=2, total_heads=2, rank=0, publish_heads=False, device=device)
+        kind = torch.device(device).type
+        self.prefill = pdd.PDDKVManager(self.src.args, "prefill",
+                                        _server_args(self.port, **{"device": kind, **server_overrides}))
+        self.decode = pdd.PDDKVManager(self.dst.args, "decode", _server_args(_free_port(), device=kind))
 
     def start(self, room: int) -> tuple[pdd.PDDKVSender, pdd.PDDKVReceiver]:
         """A sender and a receiver for ``room``, the receiver past bootstrapping."""
@@ -415,8 +421,10 @@ def test_manager_layout_is_on_the_kv_device(pair):
 
 def test_every_cuda_path_runs_on_the_kv_gpu(pair, monkeypatch):
     """Prefill KV on GPU 3, decode KV on GPU 2 (torch.cuda stood in for, the bytes on the CPU):
-    the sender packs and waits with GPU 3 current, and the decode side unpacks on the manager's
-    message thread, where no GPU is current unless the backend makes its own so."""
+    the sender packs and waits with GPU 3 current; the decode side unpacks on the manager's
+    message thread, where no GPU is current unless the backend makes its own so, on the
+    manager's own unpack stream of GPU 2 (not the default stream SGLang's forward runs on), and
+    waits on an event after the unpack, never on a whole stream."""
     from fake_cuda import FakeCuda
 
     from pddcore.integrations.sglang import receiver as receiver_module
@@ -427,13 +435,19 @@ def test_every_cuda_path_runs_on_the_kv_gpu(pair, monkeypatch):
     cuda.watch(monkeypatch, receiver_module, "unpack")
     assert pair.move(90, [1], [1]) == (KVPoll.Success, KVPoll.Success)  # the decode side built its layout
     cuda.calls.clear()
+    cuda.streams.clear()
     pair.prefill.device, pair.decode.device = torch.device("cuda", 3), torch.device("cuda", 2)
-    assert pair.move(91, [3, 4], [5, 6]) == (KVPoll.Success, KVPoll.Success)
-    assert torch.equal(torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)[:, [5, 6]], pair.pages()[:, [3, 4]])
-    gpu = {"pack": torch.device("cuda", 3), "unpack": torch.device("cuda", 2)}
-    assert {name for name, _ in cuda.calls} == {"pack", "unpack", "synchronize"}, cuda.calls
-    assert [c for c in cuda.calls if c[0] in gpu and c[1] != gpu[c[0]]] == []
-    assert sorted({str(d) for name, d in cuda.calls if name == "synchronize"}) == ["cuda:2", "cuda:3"]
+    for room, (src, dst) in enumerate([([3, 4], [5, 6]), ([7], [8])], start=91):
+        assert pair.move(room, src, dst) == (KVPoll.Success, KVPoll.Success)
+        assert torch.equal(torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)[:, dst], pair.pages()[:, src])
+    gpu = {"pack": torch.device("cuda", 3), "unpack": torch.device("cuda", 2), "record": torch.device("cuda", 2),
+           "event synchronize": torch.device("cuda", 2), "synchronize": torch.device("cuda", 3)}
+    assert {name for name, _ in cuda.calls} == set(gpu), cuda.calls
+    assert [c for c in cuda.calls if c[1] != gpu[c[0]]] == []
+    assert [s.device for s in cuda.made_streams] == [torch.device("cuda", 2)]  # one unpack stream, made once
+    decode_side = [(name, stream) for name, stream in cuda.streams if name in ("unpack", "record")]
+    assert decode_side and set(decode_side) == {("unpack", "stream 0"), ("record", "stream 0")}, cuda.streams
+    assert [name for name, _ in cuda.streams if name != "pack"][-3:] == ["unpack", "record", "event synchronize"]
 
 
 def test_staging_buffers_are_registered_once_and_reused(pair):
@@ -525,6 +539,30 @@ def test_state_indices_fail_the_request_instead_of_raising(pair):
     receiver.clear()
 
 
+def test_a_request_the_staging_arena_cannot_hold_fails_both_sides(monkeypatch):
+    """Each rank's staging arena is allocated when its manager starts, sized by
+    PDDCORE_SGLANG_STAGING_BYTES; with the decode rank's arena held by another request, the next
+    one fails on both sides naming that setting, and once the arena is free a request moves."""
+    monkeypatch.setenv("PDDCORE_SGLANG_STAGING_BYTES", str(64 << 10))
+    pair = Pair()
+    try:
+        assert pair.decode.staging.capacity_bytes == 64 << 10
+        held = pair.decode.staging.acquire(1, target=True)  # the whole arena
+        sender, receiver = pair.start(43)
+        receiver.send_metadata(np.array([5, 6], dtype=np.int32))
+        assert receiver.poll() == KVPoll.Failed
+        with pytest.raises(pdd.PDDTransferError, match="PDDCORE_SGLANG_STAGING_BYTES"):
+            receiver.failure_exception()
+        _wait(lambda: sender.poll() == KVPoll.Failed)  # the prefill side was told
+        sender.clear()
+        receiver.clear()
+        pair.decode.staging.release(held)
+        assert pair.move(44, [3, 4], [5, 6]) == (KVPoll.Success, KVPoll.Success)
+        assert torch.equal(torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)[:, [5, 6]], pair.pages()[:, [3, 4]])
+    finally:
+        pair.close()
+
+
 def test_failed_write_fails_both_sides(pair):
     """The decode staging region disappears before prefill writes: the engine rejects the write,
     the sender fails and tells the receiver; neither side applies anything."""
@@ -598,28 +636,6 @@ def test_unsupported_deployments_are_refused_at_start(mode):
     for args, server_args, what in cases:
         with pytest.raises(ValueError, match=f"does not support .*{what}.*mooncake or nixl"):
             pdd.PDDKVManager(args, mode, server_args)
-
-
-def test_mla_with_a_larger_prefill_tp_fails_with_its_reason():
-    """MLA, prefill TP 2 and decode TP 1: prefill rank 1 would wait for a decode rank that never
-    comes, so the request fails at once on the decode side, saying why."""
-    port = _free_port()
-    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
-    prefill = [pdd.PDDKVManager(Rank(mla=True, heads=1, total_heads=1, rank=r).args, "prefill",
-                                _server_args(port, 2), True) for r in range(2)]
-    decode = pdd.PDDKVManager(Rank(mla=True, heads=1, total_heads=1, rank=0).args, "decode", _server_args(_free_port()),
-                              True)
-    try:
-        receiver = pdd.PDDKVReceiver(decode, f"127.0.0.1:{port}", 12, timeout_s=60)
-        _wait(lambda: receiver.poll() != KVPoll.Bootstrapping)
-        assert receiver.poll() == KVPoll.Failed
-        with pytest.raises(pdd.PDDTransferError, match=r"prefill TP size \(2\) above the decode's \(1\)"):
-            receiver.failure_exception()
-    finally:
-        decode.close()
-        for m in prefill:
-            m.close()
-        server.close()
 
 
 def test_sender_refuses_calls_out_of_order(pair):
@@ -831,3 +847,41 @@ def test_generation_end_to_end_on_gpu(tmp_path, monkeypatch):
     got = decode.generate(input_ids=ids, sampling_params=params, **route)["output_ids"]
     t.join()
     assert got == want
+
+
+@pytest.mark.gpu
+def test_the_decode_unpack_on_gpu_waits_for_itself_not_for_the_default_stream(monkeypatch):
+    """GPU, SGLang's pools on cuda:0: a long kernel is queued on the default stream (where
+    SGLang's scheduler queues its forward pass) and the prefill side packs on a stream of its
+    own. The decode side's unpack, on the manager's message thread, runs on the backend's unpack
+    stream and waits on an event after it, so the request reaches Success while that kernel
+    still runs, with the pages in place (waiting on the default stream would end only after it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from pddcore import _C
+
+    if _C.cuda_unusable_reason():
+        pytest.skip(f"pddcore's CUDA kernels: {_C.cuda_unusable_reason()}")
+    monkeypatch.setenv("PDDCORE_SGLANG_STAGING_BYTES", str(16 << 20))
+    pair = Pair(device="cuda:0")
+    try:
+        assert pair.move(60, [1], [1]) == (KVPoll.Success, KVPoll.Success)  # warm: plans, registrations
+        sender, receiver = pair.start(61)
+        receiver.send_metadata(np.array([5, 6], dtype=np.int32), aux_index=1)
+        _wait(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender.init(2, aux_index=0)
+        default = torch.cuda.default_stream(torch.device("cuda", 0))
+        torch.cuda._sleep(4_000_000_000)  # about 2 s of GPU time on the default stream
+        with torch.cuda.stream(torch.cuda.Stream(torch.device("cuda", 0))):
+            sender.send(np.array([3, 4], dtype=np.int32))
+        _wait(lambda: receiver.poll() in TERMINAL)
+        kernel_still_running = not default.query()
+        assert receiver.poll() == KVPoll.Success and kernel_still_running
+        torch.cuda.synchronize()
+        _wait(lambda: sender.poll() in TERMINAL)
+        assert torch.equal(torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)[:, [5, 6]], pair.pages()[:, [3, 4]])
+        sender.clear()
+        receiver.clear()
+    finally:
+        torch.cuda.synchronize()
+        pair.close()

@@ -14,7 +14,8 @@
 #    through pddcore with a tiny model, both roles on the one GPU, compared token for token
 #    with a single engine (vLLM: eager, with CUDA graphs captured, full ones included, and in
 #    push mode); the vLLM connector's hooks with a second CUDA stream current, its KV from
-#    allocate_kv_cache on the GPU; PDD through `pddcore serve` over three `vllm serve` processes (P,
+#    allocate_kv_cache on the GPU; the SGLang backend's decode-side unpack reaching Success on
+#    its own stream while a long kernel holds the default stream (SGLang's pools on the GPU); PDD through `pddcore serve` over three `vllm serve` processes (P,
 #    RLD, MD with pddcore's connector) against a fourth, plain one, on the P_MD and P_RLD_MD
 #    routes, tokens compared and TTFT written to $out/serve-ttft.txt;
 # 3. runs the Triton kernels compiled for the GPU (not interpreted) against the torch reference;

@@ -14,6 +14,9 @@ Example::
         pack(layout, more_pages, out=buf2)
         done = record_event(layout.device)  # without waiting: buf2 is whole once done.query()
                                             # (None off CUDA: it is whole already)
+        with on_stream(side):               # a stream of the adapter's own (None off CUDA)
+            unpack(layout, pages, buf3)
+            done = record_event(layout.device)   # after the unpack on that stream only
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["on_device", "on_kv_device", "wait_for_stream", "record_event"]
+__all__ = ["on_device", "on_stream", "on_kv_device", "wait_for_stream", "record_event"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,6 +40,17 @@ def on_device(device: torch.device) -> Iterator[None]:
         yield
         return
     with torch.cuda.device(device):
+        yield
+
+
+@contextlib.contextmanager
+def on_stream(stream: "torch.cuda.Stream | None") -> Iterator[None]:
+    """Makes ``stream`` (of the current device) the current stream while the body runs; None
+    (off CUDA): no-op."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
         yield
 
 

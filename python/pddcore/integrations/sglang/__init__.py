@@ -38,8 +38,7 @@ SGLang's plugin hook registry (``sglang.srt.plugins``; pddcore declares the entr
 ``--disaggregation-transfer-backend pddcore`` works once pddcore is installed).
 Refused when the manager is built (:func:`~.config.check_supported`): DP attention, pipeline
 parallelism, an EAGLE draft KV pool. Not covered (a request that needs them fails with a clear
-reason): per-request state buffers (``state_indices``: Mamba/SWA/DSA), MLA with a prefill TP
-above the decode's, PD rebootstrap (``submit_prefill_recompute``), and the mooncake-only extras
+reason): per-request state buffers (``state_indices``: Mamba/SWA/DSA), PD rebootstrap (``submit_prefill_recompute``), and the mooncake-only extras
 (SGLang's staging handler, HiCache host destinations). A prefill request no decode rank
 registers for fails after ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` seconds.
 """

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
+import torch
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 from sglang.srt.environ import envs
 
@@ -27,7 +28,7 @@ from .._peers import Peers
 from .._staging import StagingPool
 from .bootstrap import PrefillInfo, bootstrap_url, fetch_prefill_info, register_prefill_rank
 from .config import STAGING_ENV, advertised_host, check_supported, kv_device, mode_name, staging_bytes
-from .protocol import MESSAGES, Registration
+from .protocol import MESSAGES, Registration, Unread
 
 __all__ = ["PDDKVManager", "RoomInbox", "RoomListener"]
 
@@ -49,10 +50,12 @@ class RoomListener(Protocol):
 
 @dataclass
 class RoomInbox:
-    """What arrived for one room: decode registrations (prefill side), the first failure,
-    and each prefill rank's chunk notices (decode side)."""
+    """What arrived for one room: decode registrations, or the notice that no decode rank
+    reads this rank (prefill side), the first failure, and each prefill rank's chunk notices
+    (decode side)."""
 
     registrations: list[Registration] = field(default_factory=list)
+    unread: Unread | None = None
     failure: str | None = None
     chunks: dict[int, set[int]] = field(default_factory=dict)
     last_chunk: dict[int, int] = field(default_factory=dict)
@@ -110,6 +113,7 @@ class PDDKVManager(BaseKVManager):
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._rooms: dict[int, RoomInbox] = {}
         self._receivers: dict[int, RoomListener] = {}
+        self._unpack_stream: "torch.cuda.Stream | None" = None
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._pump_messages, name=f"pdd-{self.mode}-{self.rank}", daemon=True)
         self._pump.start()
@@ -176,6 +180,17 @@ class PDDKVManager(BaseKVManager):
         the request fails with that reason instead of waiting forever."""
         receiver.abort("the pddcore backend does not support PD rebootstrap (retract and recompute)")
 
+    def unpack_stream(self) -> "torch.cuda.Stream | None":
+        """The CUDA stream decode-side unpacks run on (None off CUDA): the backend's own, so that
+        the message thread waits on an event after its unpack alone, never on the work SGLang
+        queued on the device's default stream (a forward pass)."""
+        if self.device.type != "cuda":
+            return None
+        with self._lock:
+            if self._unpack_stream is None:
+                self._unpack_stream = torch.cuda.Stream(self.device)
+            return self._unpack_stream
+
     # -- plumbing ------------------------------------------------------------------------------
     def inbox(self, room: int) -> RoomInbox:
         with self._lock:
@@ -220,6 +235,11 @@ class PDDKVManager(BaseKVManager):
             if not self.peers.is_from(message, sender_address):
                 raise ValueError(f"registration names {sender_address}, which is not the engine that sent it")
             box.registrations.append(Registration.from_message(sender_address, msg))
+        elif kind == "unread":
+            if not self.is_mla or self.rank < msg["d_tp"]:
+                raise ValueError(f"decode rank {msg['d_rank']} says no decode rank reads prefill rank {self.rank}, "
+                                 f"but with MLA and a decode TP of {msg['d_tp']} one does")
+            box.unread = Unread.from_message(msg)
         elif kind == "fail":
             box.failure = box.failure or f"peer {sender_address}: {msg['reason']}"
         else:  # "chunk": MESSAGES admits no other kind

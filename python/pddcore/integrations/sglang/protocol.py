@@ -6,6 +6,11 @@ by its ``room``, SGLang's ``bootstrap_room``):
   segment (``offset``, ``seg_bytes``) for ``num_pages`` pages of the prefill's local heads
   ``src_heads`` (None: all); where the aux item goes (``aux_offset``, -1: nowhere) and which
   one (``aux_index``); the decode side's ``decode_prefix_len``;
+* ``unread`` (MLA, decode rank -> a prefill rank no decode rank reads, when the prefill TP is
+  the larger): decode rank ``d_rank`` of TP ``d_tp`` reads the one latent from another prefill
+  rank; this one sends nothing for the room, and takes its ``num_pages`` and
+  ``decode_prefix_len`` from here so that every prefill rank schedules the request alike (as
+  SGLang's own backends' dummy registrations);
 * ``chunk`` (prefill -> decode, the write notification): chunk ``idx`` of prefill rank
   ``src`` landed, ``last`` when it was the request's final one;
 * ``fail`` (either way): the request failed for ``reason``.
@@ -21,13 +26,14 @@ from dataclasses import dataclass
 
 from .._messages import MessageSchema, is_bool, is_head_range, is_hex, is_int, is_str
 
-__all__ = ["MAGIC", "MESSAGES", "Registration"]
+__all__ = ["MAGIC", "MESSAGES", "Registration", "Unread"]
 
 MAGIC = b"PDDSGL1"
 MESSAGES = MessageSchema(MAGIC, "pddcore SGLang", key="room", key_check=is_int, kinds={
     "reg": {"d_rank": is_int, "d_tp": is_int, "region": is_hex, "offset": is_int, "seg_bytes": is_int,
             "num_pages": is_int, "src_heads": is_head_range, "aux_offset": is_int, "aux_index": is_int,
             "decode_prefix_len": is_int},
+    "unread": {"d_rank": is_int, "d_tp": is_int, "num_pages": is_int, "decode_prefix_len": is_int},
     "fail": {"reason": is_str},
     "chunk": {"src": is_int, "idx": is_int, "last": is_bool},
 })
@@ -54,3 +60,17 @@ class Registration:
         return cls(peer_address, msg["d_rank"], msg["d_tp"], bytes.fromhex(msg["region"]), msg["offset"],
                    msg["seg_bytes"], msg["num_pages"], tuple(msg["src_heads"]) if msg["src_heads"] else None,
                    msg["aux_offset"], msg["aux_index"], msg["decode_prefix_len"])
+
+
+@dataclass
+class Unread:
+    """A decode rank's ``unread``: this prefill rank sends nothing for the room."""
+
+    d_rank: int
+    d_tp: int
+    num_pages: int
+    decode_prefix_len: int
+
+    @classmethod
+    def from_message(cls, msg: dict) -> "Unread":
+        return cls(msg["d_rank"], msg["d_tp"], msg["num_pages"], msg["decode_prefix_len"])

@@ -24,7 +24,7 @@ import torch
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver, KVPoll
 
 from ...pack import unpack
-from .._device import on_device, wait_for_stream
+from .._device import on_device, on_stream, record_event
 from .._heads import head_slices
 from .._staging import StagingBuffer, StagingExhausted
 from .manager import PDDKVManager
@@ -44,6 +44,7 @@ class PDDKVReceiver(BaseKVReceiver):
         self._state = KVPoll.Bootstrapping
         self._failure: str | None = None
         self._sources: list = []
+        self._unread: list[int] = []   # MLA: prefill ranks no decode rank reads, that this rank tells so
         self._addresses: dict[int, str] = {}
         self._peers_told = False
         self._next_try = 0.0
@@ -104,11 +105,10 @@ class PDDKVReceiver(BaseKVReceiver):
         except ValueError as exc:
             return self._fail(str(exc), tell_peers=False)
         if mgr.is_mla:  # every prefill rank holds the one latent: decode rank r reads prefill rank r % their TP
-            if info.tp_size > mgr.tp_size:
-                return self._fail(f"MLA with a prefill TP size ({info.tp_size}) above the decode's ({mgr.tp_size}) "
-                                  "is not supported: prefill ranks no decode rank reads would wait for it",
-                                  tell_peers=False)
             self._sources = [(mgr.rank % info.tp_size, None, None)]
+            # With the larger prefill TP, prefill ranks r + tp, r + 2 tp, ... are read by nobody:
+            # this rank tells them, so that they send nothing and free the request.
+            self._unread = list(range(mgr.rank + mgr.tp_size, info.tp_size, mgr.tp_size))
         else:
             if info.total_kv_heads != mgr.total_kv_heads:
                 return self._fail(f"prefill has {info.total_kv_heads} KV heads, decode {mgr.total_kv_heads}",
@@ -157,6 +157,9 @@ class PDDKVReceiver(BaseKVReceiver):
                              aux_offset=self._aux_offset if i == 0 else -1,
                              aux_index=-1 if aux_index is None else int(aux_index),
                              decode_prefix_len=int(decode_prefix_len or 0))
+        for src_rank in self._unread:
+            mgr.peers.send(self._addresses[src_rank], "unread", room=self.room, d_rank=mgr.rank, d_tp=mgr.tp_size,
+                           num_pages=n, decode_prefix_len=int(decode_prefix_len or 0))
         self.on_inbox_changed()
 
     def prefill_address(self, src_rank: int) -> str | None:
@@ -186,16 +189,21 @@ class PDDKVReceiver(BaseKVReceiver):
             self._state = KVPoll.Success
 
     def _apply(self) -> None:
+        """Unpacks on the manager's unpack stream and waits on an event after the unpack (the
+        pages are whole before ``Success``), then copies the aux item."""
         layout, staging = self.kv_mgr.layout, self._staging.tensor
-        for _, offset, nbytes, _, dst_heads in self._segments:
-            if self._pages.numel():
-                unpack(layout, self._pages, staging[offset:offset + nbytes], heads=dst_heads)
+        with on_stream(self.kv_mgr.unpack_stream()):
+            for _, offset, nbytes, _, dst_heads in self._segments:
+                if self._pages.numel():
+                    unpack(layout, self._pages, staging[offset:offset + nbytes], heads=dst_heads)
+            unpacked = record_event(self.kv_mgr.device)
+        if unpacked is not None:
+            unpacked.synchronize()
         if self._aux_offset >= 0:
             src = staging.data_ptr() + self._aux_offset
             for ptr, item_len in zip(self.kv_mgr.kv_args.aux_data_ptrs, self.kv_mgr.kv_args.aux_item_lens):
                 ctypes.memmove(ptr + self._aux_index * item_len, src, item_len)
                 src += item_len
-        wait_for_stream(self.kv_mgr.device)
         self.kv_mgr.staging.release(self._staging)
         self._staging = None
 
@@ -214,7 +222,7 @@ class PDDKVReceiver(BaseKVReceiver):
 
     def _tell_peers(self, reason: str) -> None:
         self._peers_told = True
-        for address in self.bootstrap_infos:
+        for address in self.bootstrap_infos + [self._addresses[src_rank] for src_rank in self._unread]:
             self.kv_mgr.peers.send(address, "fail", room=self.room, reason=reason)
 
     def poll(self) -> int:

@@ -28,7 +28,7 @@ from .._device import on_device, wait_for_stream
 from .._heads import destinations_of
 from .._staging import StagingBuffer
 from .manager import PDDKVManager
-from .protocol import MESSAGES, Registration
+from .protocol import MESSAGES, Registration, Unread
 from .states import TERMINAL, PDDTransferError, state_indices_reason
 
 __all__ = ["PDDKVSender"]
@@ -57,7 +57,10 @@ class PDDKVSender(BaseKVSender):
         self._early_send_wait_event: Any = None
 
     def _registrations(self) -> list[Registration] | None:
-        regs = self.kv_mgr.inbox(self.room).registrations
+        box = self.kv_mgr.inbox(self.room)
+        if box.unread is not None:  # MLA: no decode rank reads this rank; it sends nothing
+            return []
+        regs = box.registrations
         if not regs:
             return None
         mgr = self.kv_mgr
@@ -105,9 +108,15 @@ class PDDKVSender(BaseKVSender):
                 self._fail(f"transfer failed: {exc}")
         return self._state
 
+    def _asked(self) -> list[Registration | Unread]:
+        """What the decode side asked of this rank: its registrations, or its notice that no
+        decode rank reads this one (each names the pages and ``decode_prefix_len``)."""
+        unread = self.kv_mgr.inbox(self.room).unread
+        return [unread] if unread is not None else self._registrations() or []
+
     def pop_decode_prefix_len(self) -> int:
-        regs = self._registrations() or []
-        value = regs[0].decode_prefix_len if regs and self._decode_prefix_len is None else 0
+        asked = self._asked()
+        value = asked[0].decode_prefix_len if asked and self._decode_prefix_len is None else 0
         self._decode_prefix_len = value
         return value
 
@@ -118,10 +127,9 @@ class PDDKVSender(BaseKVSender):
         return num_pages > 0 or last_chunk
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
-        regs = self._registrations()
-        if regs is None:
+        if self._registrations() is None:
             raise RuntimeError(f"room {self.room}: init() before the decode side registered (poll WaitingForInput)")
-        for reg in regs:
+        for reg in self._asked():
             if reg.num_pages != num_kv_indices:
                 self._fail(f"decode rank {reg.d_rank} expects {reg.num_pages} pages, prefill sends {num_kv_indices}")
         self._num_pages, self._aux_index = int(num_kv_indices), aux_index
