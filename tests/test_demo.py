@@ -1,5 +1,7 @@
-"""The reference PDD deployment, end to end, in small: real processes, real sockets, the
-kernel WAN emulator where root (CI) or the userspace relay elsewhere.
+"""PDD end to end, in small, as `pddcore demo` runs it: the gateway (`pddcore serve`) over
+reference engine servers (`pddcore engine`) and a trace player, all real processes talking
+HTTP and the transfer engine, over the kernel WAN emulator where root (CI) or the userspace
+relay elsewhere.
 
 These tests check what a run must do on any machine (exact outputs, routes, handoffs,
 faults, cleanup). How PDD's TTFT compares with cross-DC PD's is a performance figure that
@@ -15,7 +17,6 @@ import pytest
 
 from pddcore.deploy import Network, agentic_trace, run_demo
 from pddcore.deploy.report import explain
-from pddcore.deploy.staging import RangeAllocator
 from pddcore.testing.relay import WanRelay
 
 # Two sessions: each opens with a fresh document (low hit at P and MD) and goes on with a
@@ -47,13 +48,16 @@ def _children():
     return out
 
 
+def _roles(r):
+    """The request's producing roles in order, one letter per token: "RRRMMM"."""
+    return "".join(source[0] for source in r["trace"]["sources"])
+
+
 def _assert_complete_and_exact(result, mode):
     correctness = result["correctness"][mode]
     assert correctness["pass"], correctness
-    run = result["runs"][mode]
-    for r in run["requests"]:
-        assert r["done"] and len(r["tokens"]) == r["max_new_tokens"], r["rid"]
-    assert result["metrics"][mode]["ownership_violations"] == []
+    for r in result["runs"][mode]["requests"]:
+        assert len(r["tokens"]) == r["max_new_tokens"] == len(r["trace"]["sources"]), r["rid"]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,7 @@ def test_failed_start_is_reported_and_cleaned_up(tmp_path):
     missing = str(tmp_path / "no-such-model")
     with Network(**LINK) as net:
         with pytest.raises(DeploymentError, match="no-such-model"):
-            run_deployment(RunConfig("pd", kv_bytes_per_token=8192, model={"path": missing}),
+            run_deployment(RunConfig("pd", model={"path": missing}),
                            agentic_trace(1, **SCENARIO), net)
     assert _children() == []
     if os.geteuid() == 0:
@@ -96,32 +100,42 @@ def test_pdd_routes_and_hands_off(demo):
     assert pdd["tokens"]["RLD"] > 0 and pdd["tokens"]["MD"] > 0
     # every handed-off request switched owner once: RLD tokens, then MD tokens, nothing else
     for r in demo["runs"]["pdd"]["requests"]:
-        roles = "".join(x[0] for x in r["roles"])
+        roles = _roles(r)
         assert roles == "R" * roles.count("R") + "M" * roles.count("M"), (r["rid"], roles)
-    # each handoff moved a request: RLD streamed its start, MD produced tokens after it
-    handed = [r["rid"] for r in demo["runs"]["pdd"]["requests"] if r["roles"][0] == "RLD" and r["roles"][-1] == "MD"]
-    assert len(handed) == pdd["handoffs"]["one_shot"] + pdd["handoffs"]["catch_up"] >= 1, (handed, pdd["handoffs"])
+    # each handoff moved a request: RLD streamed its start, MD produced tokens after it, from
+    # the token the gateway handed off at
+    handed = [r for r in demo["runs"]["pdd"]["requests"] if _roles(r)[:1] == "R" and _roles(r)[-1:] == "M"]
+    assert len(handed) == pdd["handoffs"]["one_shot"] + pdd["handoffs"]["catch_up"] >= 1, pdd["handoffs"]
+    for r in handed:
+        (_, at), = r["trace"]["handoffs"]
+        assert _roles(r).index("M") == at
 
 
 def test_measurements_add_up_to_the_tokens_and_contexts(demo):
-    """What the roles measured matches what the client saw: every token RLD or MD sent,
-    except each request's first one there (sampled by P or by MD's extend pass), came
-    from a decode step; the run's first request found nothing cached at P."""
+    """What the engines and the gateway measured matches what the client saw: every token
+    MD sent, except each request's first one there (sampled after its prefetch or extend
+    pass), came from one of MD's decode steps, and RLD ran at least as many; P's extend
+    passes computed exactly the prompt tokens its prefix cache lacked, and the run's first
+    request found nothing cached at P."""
     run = demo["runs"]["pdd"]
-    summary = run["summary"]
+    requests, timings = run["requests"], run["timings"]
     for role in ("RLD", "MD"):
-        sent = sum(r["roles"].count(role) for r in run["requests"])
-        started = sum(role in r["roles"] for r in run["requests"])
-        steps = summary["decode_steps"][role]
-        assert sum(batch for _, batch in steps) == sent - started, role
+        sent = sum(r["trace"]["sources"].count(role) for r in requests)
+        started = sum(role in r["trace"]["sources"] for r in requests)
+        steps = timings[role]["decode_steps"]
         assert all(seconds > 0 for seconds, _ in steps)
-    first = min(run["requests"], key=lambda r: r["submitted"])
-    assert summary["prefills"][first["rid"]][0] == len(first["context"])
-    assert sum(n for n, _ in summary["prefills"].values()) == summary["counts"]["p_prefill_tokens"]
-    # every KV P sent arrived: to RLD unless the request went P_MD, to MD unless it went RLD_ONLY
-    routes = summary["pipelines"]
-    assert set(summary["kv_usable_s"]["rld"]) == {rid for rid, route in routes.items() if route != "P_MD"}
-    assert set(summary["kv_usable_s"]["md"]) == {rid for rid, route in routes.items() if route != "RLD_ONLY"}
+        if role == "MD":
+            assert sum(batch for _, batch in steps) == sent - started
+        else:  # RLD may decode past the token the gateway handed off at
+            assert sum(batch for _, batch in steps) >= sent - started
+    first = min(requests, key=lambda r: r["submitted"])
+    assert first["trace"]["prefill_tokens"] == len(first["context"])
+    assert sum(n for _, n in timings["P"]["extend_passes"]) == sum(r["trace"]["prefill_tokens"] for r in requests)
+    # each request's KV became usable where it went: at RLD unless it went P_MD, at MD unless RLD_ONLY
+    for r in requests:
+        route, usable = r["trace"]["pipeline"], r["trace"]["kv_usable_s"]
+        assert ("rld" in usable) == (route != "P_MD") and ("md" in usable) == (route != "RLD_ONLY"), r["rid"]
+        assert all(seconds > 0 for seconds in usable.values())
 
 
 def _printed(figure: str, value: float | None) -> bool:
@@ -138,20 +152,21 @@ def test_explanation_prints_what_the_run_measured(demo):
     figure in it is recomputed here from the raw measurements and compared, and no
     other number is left in it."""
     run = demo["runs"]["pdd"]
-    summary, requests = run["summary"], run["requests"]
+    requests, timings = run["requests"], run["timings"]
     text = explain(json.loads(json.dumps(demo["metrics"]["pdd"])))  # what `pddcore demo --json` writes
     patterns = {
-        "prefill": r"prefill at P: ([\d.]+) ms per token \((\d+) tokens in ([\d.]+) s\)",
-        "fresh": r"fresh context of (\d+) tokens \((\d+) not cached at P\): prefill ([\d.]+) s, then its KV usable "
-                 r"at RLD after ([\d.]+ ms|-), at MD after ([\d.]+ ms|-)",
+        "prefill": r"prefill at P: ([\d.]+) ms per token \((\d+) tokens in ([\d.]+) s of extend passes\)",
+        "fresh": r"fresh context of (\d+) tokens \((\d+) not cached at P\): prefill call ([\d.]+) s, then its KV "
+                 r"usable at RLD after ([\d.]+ ms|-), at MD after ([\d.]+ ms|-)",
         "usable": r"at (RLD|MD) ([\d.]+ ms) \(([\d.]+ ms) to ([\d.]+ ms), (\d+) requests\)",
-        "hits": r"([\d.]+) to ([\d.]+) % of the context in MD's radix cache \(median ([\d.]+) %, (\d+) turns\)",
+        "hits": r"([\d.]+) to ([\d.]+) % of the context in MD's prefix cache, as the gateway's radix tree tracks it "
+                r"\(median ([\d.]+) %, (\d+) turns\)",
         "steps": r"(RLD|MD) ([\d.]+ ms) \((\d+) steps, ([\d.]+) requests per step on average\)",
     }
     found = {name: re.findall(pattern, text) for name, pattern in patterns.items()}
 
-    tokens = sum(n for n, _ in summary["prefills"].values())
-    seconds = sum(s for _, s in summary["prefills"].values())
+    passes = timings["P"]["extend_passes"]
+    tokens, seconds = sum(n for _, n in passes), sum(s for s, _ in passes)
     (per_token, printed_tokens, printed_seconds), = found["prefill"]
     assert _printed(per_token + " ms", seconds / tokens) and int(printed_tokens) == tokens
     assert _printed(printed_seconds, seconds)
@@ -159,19 +174,21 @@ def test_explanation_prints_what_the_run_measured(demo):
     fresh = [r for r in requests if r["turn"] == 0]
     assert len(found["fresh"]) == len(fresh) == 2
     for r, (context, prefilled, prefill_s, to_rld, to_md) in zip(fresh, found["fresh"]):
-        assert int(context) == len(r["context"]) and int(prefilled) == summary["prefills"][r["rid"]][0]
-        assert _printed(prefill_s, summary["prefills"][r["rid"]][1])
-        assert _printed(to_rld, summary["kv_usable_s"]["rld"].get(r["rid"]))
-        assert _printed(to_md, summary["kv_usable_s"]["md"].get(r["rid"]))
+        trace = r["trace"]
+        assert int(context) == len(r["context"]) and int(prefilled) == trace["prefill_tokens"]
+        assert _printed(prefill_s, trace["prefill_s"])
+        assert _printed(to_rld, trace["kv_usable_s"].get("rld"))
+        assert _printed(to_md, trace["kv_usable_s"].get("md"))
 
     assert [t for t, *_ in found["usable"]] == ["RLD", "MD"]
     for target, median, low, high, count in found["usable"]:
-        usable = list(summary["kv_usable_s"][target.lower()].values())
+        usable = [r["trace"]["kv_usable_s"][target.lower()] for r in requests
+                  if target.lower() in r["trace"]["kv_usable_s"]]
         assert int(count) == len(usable)
         assert _printed(median, float(np.median(usable)))
         assert _printed(low, min(usable)) and _printed(high, max(usable))
 
-    hits = [summary["md_cached"][r["rid"]] / len(r["context"]) for r in requests if r["turn"] > 0]
+    hits = [r["trace"]["md_cached_tokens"] / len(r["context"]) for r in requests if r["turn"] > 0]
     (low, high, median, turns), = found["hits"]
     assert int(turns) == len(hits) == 2
     assert _printed(low, 100 * min(hits)) and _printed(high, 100 * max(hits))
@@ -179,7 +196,7 @@ def test_explanation_prints_what_the_run_measured(demo):
 
     assert [role for role, *_ in found["steps"]] == ["RLD", "MD"]
     for role, median, count, batch in found["steps"]:
-        steps = summary["decode_steps"][role]
+        steps = timings[role]["decode_steps"]
         assert int(count) == len(steps)
         assert _printed(median, float(np.median([s for s, _ in steps])))
         assert _printed(batch, float(np.mean([b for _, b in steps])))
@@ -190,26 +207,10 @@ def test_explanation_prints_what_the_run_measured(demo):
     assert not re.search(r"\d", leftover), f"a figure the run did not measure: {leftover}"
 
 
-def test_malformed_handoff_is_rejected_and_resent():
-    """The first handoff arrives malformed: MD rejects it, RLD re-sends, and every request
-    still completes with exact outputs."""
-    # A long first answer: RLD is still decoding it when MD is ready, however loaded the machine.
-    # A TTFT SLO no transfer meets: the first request goes P -> RLD -> MD whatever the link
-    # estimate reads (no borderline route), so there is a handoff to corrupt.
-    scenario = agentic_trace(2, **{**SCENARIO, "first_output_tokens": 384})
-    with Network(**LINK) as net:
-        result = run_demo(scenario, net, modes=("pdd",),
-                          overrides={"pdd": {"corrupt_handoffs": 1, "ttft_slo_s": 0.01}})
-    handoffs = result["metrics"]["pdd"]["handoffs"]
-    counts = result["runs"]["pdd"]["summary"]["counts"]
-    assert handoffs["one_shot"] + handoffs["catch_up"] >= 1, counts
-    assert handoffs["rejected"] >= 1, counts
-    _assert_complete_and_exact(result, "pdd")
-
-
 def test_md_killed_mid_run():
-    """MD dies mid-run: the requests it owned are resumed on RLD from the tokens the client
-    already has, and every output is still exact."""
+    """MD dies mid-run: the gateway resumes the requests it was streaming on RLD from the
+    tokens the client already has, routes the next ones past it, and every output is
+    still exact."""
     # Follow-up answers long enough that MD is still streaming one when it is killed. A TTFT
     # SLO every transfer meets: every request goes P -> MD whatever the link estimate reads
     # (no borderline route), so MD streams tokens to be killed in.
@@ -218,30 +219,42 @@ def test_md_killed_mid_run():
         result = run_demo(scenario, net, modes=("pdd",),
                           overrides={"pdd": {"kill_md_after_tokens": 10, "ttft_slo_s": 30.0}})
     metrics = result["metrics"]["pdd"]
-    counts = result["runs"]["pdd"]["summary"]["counts"]
-    assert metrics["md_killed"], counts
+    assert metrics["md_killed"], metrics
     _assert_complete_and_exact(result, "pdd")
-    assert counts.get("md_lost", 0) == 1 and counts.get("finished_RLD", 0) >= 1
-    # MD was killed while streaming a request it had taken over: RLD finished it from the
-    # tokens the client already had (MD tokens, then RLD tokens again)
-    assert counts.get("md_lost_resumed_on_rld", 0) >= 1, counts
-    resumed = [r for r in result["runs"]["pdd"]["requests"] if "M" in "".join(x[0] for x in r["roles"])
-               and r["roles"][-1] == "RLD"]
-    assert resumed, "no request moved back from MD to RLD"
+    assert metrics["faults"].get("resumes:md_failed", 0) >= 1, metrics["faults"]
+    # MD was killed while streaming a request: RLD finished it from the tokens the client
+    # already had (MD tokens, then RLD tokens)
+    resumed = [r for r in result["runs"]["pdd"]["requests"] if "MR" in _roles(r)]
+    assert resumed, "no request moved from MD to RLD"
+    for r in resumed:
+        assert any("resumed on RLD" in line for line in r["trace"]["resumes"]), r["trace"]["resumes"]
+    assert result["runs"]["pdd"]["timings"]["MD"] is None  # gone
 
 
 def test_md_transfer_timeout_stays_on_rld():
-    """A P->MD transfer that outlives its deadline is cancelled; the request stays on RLD."""
+    """An MD prefetch that outlives its deadline is abandoned; the request stays on RLD."""
     scenario = agentic_trace(2, **{**SCENARIO, "turns": 2})
     with Network(**LINK) as net:  # the SLO no transfer meets: the first request goes P -> RLD -> MD
         result = run_demo(scenario, net, modes=("pdd",),
                           overrides={"pdd": {"md_transfer_timeout_s": 0.2, "ttft_slo_s": 0.01}})
-    counts = result["runs"]["pdd"]["summary"]["counts"]
-    assert counts.get("md_transfer_timeout", 0) >= 1, counts
-    assert counts.get("stayed_on_rld_after_md_timeout", 0) >= 1, counts
+    metrics = result["metrics"]["pdd"]
+    assert metrics["faults"].get("fallbacks:md_prefetch_timeout", 0) >= 1, metrics["faults"]
     _assert_complete_and_exact(result, "pdd")
     first = result["runs"]["pdd"]["requests"][0]
-    assert set(first["roles"]) == {"RLD"}
+    assert set(first["trace"]["sources"]) == {"RLD"}
+    assert first["trace"]["fallbacks"] == ["MD prefetch timed out: the request stays on RLD"]
+
+
+def test_relay_carries_what_crosses_the_wan():
+    """Without the kernel emulator (forced here), the userspace relay carries everything
+    cluster A sends MD: the page writes and the gateway's calls, not a direct loopback path."""
+    scenario = agentic_trace(2, **{**SCENARIO, "turns": 1})
+    with Network(**LINK, force_relay=True) as net:
+        result = run_demo(scenario, net, modes=("pd",))
+        relayed = net.relay.bytes_sent("a")
+    _assert_complete_and_exact(result, "pd")
+    wan = result["metrics"]["pd"]["wan_bytes"]
+    assert wan > 0 and relayed >= wan, (relayed, wan)
 
 
 def test_default_trace_mix():
@@ -260,18 +273,6 @@ def test_default_trace_mix():
         agentic_trace(singular_every=-1)
     with pytest.raises(ValueError, match="document"):
         agentic_trace(document_tokens=())
-
-
-def test_range_allocator_reuses_and_merges():
-    ranges = RangeAllocator(1024, align=64)
-    a, b, c = ranges.alloc(100), ranges.alloc(64), ranges.alloc(256)
-    assert (a, b, c) == (0, 128, 192)
-    assert ranges.alloc(1024) is None
-    ranges.free(b)
-    ranges.free(a)
-    assert ranges.alloc(192) == 0          # the two freed neighbours merged
-    with pytest.raises(ValueError, match="not an allocated range"):
-        ranges.free(5)
 
 
 def test_userspace_relay_caps_rate_and_delays():
@@ -312,28 +313,3 @@ def test_userspace_relay_caps_rate_and_delays():
     n, end = got[0]
     assert n == 500_000
     assert end - start >= 0.5 and relay.bytes_sent("a") == 500_000
-
-
-def test_front_flags_tokens_from_the_wrong_owner_duplicates_and_gaps(tmp_path):
-    """The front's per-token check (what makes 'exactly once, in order, one owner' a
-    test): RLD after its final handoff, MD before it, a repeat and a gap are violations."""
-    from pddcore.deploy.front import Front, _Request
-    from pddcore.router import Pipeline
-
-    front = Front({"hub": str(tmp_path / "hub.sock"), "authkey": "00" * 16, "mode": "pdd",
-                   "router": {"kv_bytes_per_token": 8192, "ttft_slo_s": 0.4, "rld_tpot_s": 0.03,
-                              "prior_bytes_per_s": 1e7, "prior_rtt_s": 0.04}})
-    try:
-        front.requests["r"] = _Request("r", [1, 2, 3], 8, 0, pipeline=Pipeline.P_RLD_MD)
-        front.on_tokens("RLD", "RLD", [("r", 0, 11), ("r", 1, 12)])
-        assert front.violations == []
-        front.on_tokens("MD", "MD", [("r", 2, 13)])                 # MD before the handoff
-        front.on_handoff("RLD", "r", 2, "one_shot")
-        front.on_tokens("RLD", "RLD", [("r", 2, 13)])               # RLD after its final handoff
-        assert len(front.violations) == 2
-        front.on_tokens("MD", "MD", [("r", 2, 13), ("r", 2, 13), ("r", 4, 15)])  # ok, repeat, gap
-        assert len(front.violations) == 4
-        assert front.requests["r"].delivered == [11, 12, 13]
-        assert front.requests["r"].sources == ["RLD", "RLD", "MD"]
-    finally:
-        front.listener.close()

@@ -1,23 +1,17 @@
-"""`pddcore.deploy`: the reference PDD deployment as real OS processes (``pddcore demo``).
+"""`pddcore.deploy`: PDD as real OS processes on an emulated WAN (``pddcore demo``): the
+``pddcore serve`` gateway (:mod:`pddcore.serve`) in front of ``pddcore engine`` reference
+servers (:mod:`pddcore.engine`), driven over HTTP by a trace player.
 
-One job per file:
+One job per file: ``network`` (kernel WAN emulator or userspace relay, and where each
+process runs), ``cluster`` (starts, watches and ends one deployment, injects its faults),
+``client`` (the trace player), ``trace`` (the agentic scenario), ``reference`` (the
+single-process oracle), ``report`` (metrics, table, plot, the run explained), ``demo``
+(both modes plus the oracle) and ``cli``.
 
-* ``front`` — the router in front (:mod:`pddcore.router`), request lifecycle, output
-  ownership checks, fault handling; ``prefill`` — P; ``relay_decode`` — RLD;
-  ``main_decode`` — MD; ``client`` — the trace-playing client driver.
-* ``decoding`` (the decode loop RLD and MD share), ``node`` (front connection, model,
-  engine; the prefix cache is :mod:`pddcore.model.prefix_cache`), ``wire`` (engine-lane
-  messages), ``staging`` (ranges of the receivers' staging regions), ``launch`` (process
-  entry point).
-* ``network`` (kernel WAN emulator or userspace relay), ``cluster`` (starts, watches and
-  ends one deployment), ``trace`` (the agentic scenario), ``reference`` (the
-  single-process oracle), ``report`` (metrics, table, plot), ``demo`` and ``cli``.
-
-Data paths: P -> RLD and P -> MD are :class:`pddcore.TransferEngine` writes of
-:func:`pddcore.pack`-ed pages into registered staging regions (the write's
-notification says the bytes were verified and applied); RLD -> MD handoffs
-(:mod:`pddcore.handoff`) and MD -> RLD readiness go on the engine's priority lane.
-Control (routing, token streams) goes over Unix sockets to the front.
+Routing, handoffs and fault handling are the gateway's (:mod:`pddcore.serve.gateway`):
+the demo has no orchestration of its own. KV moves as the engines pull it
+(:mod:`pddcore.engine.kv_link` over :class:`pddcore.TransferEngine`); a handoff is the
+gateway sending MD the context plus the delivered token ids.
 
 Example::
 

@@ -1,9 +1,11 @@
-"""Runs one deployment (front, P, RLD, MD, client as separate OS processes) over a
-:class:`~.network.Network` through a scenario, and returns what happened.
+"""Runs one deployment over a :class:`~.network.Network` through a scenario and returns what
+happened: reference engine servers (``pddcore engine``: P and RLD in cluster A, MD in
+cluster B), the PDD gateway in front of them (``pddcore serve``, in cluster A) and the
+trace player (:mod:`.client`), each an OS process, all driven over HTTP.
 
-Every process is started here and ended here, also on failure: the front is told to
-stop (closing its socket ends every role), stragglers are killed, and each process
-dies with this one anyway (PR_SET_PDEATHSIG).
+Cross-DC PD is the same gateway with no RLD (every request P -> MD); PDD has one. Every
+process is started here and ended here, also on failure (SIGTERM, then SIGKILL), and each
+dies with this one anyway (PR_SET_PDEATHSIG of the namespace launcher).
 """
 
 from __future__ import annotations
@@ -12,48 +14,48 @@ import dataclasses
 import json
 import os
 import secrets
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client
 from typing import Callable
 
-from .network import Network
+import requests
+
+from ..testing.servers import ServerProcess
+from .network import Network, Placement
 from .trace import Scenario
 
 __all__ = ["RunConfig", "RunResult", "run_deployment", "DeploymentError"]
 
 
 class DeploymentError(RuntimeError):
-    """A role process failed or the run did not finish; the message carries its log tail."""
+    """A process failed or the run did not finish; the message carries the logs' tails."""
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One deployment. ``mode``: "pd" (cross-DC PD: P->MD only) or "pdd".
-    ``model``: ``{"seed": 0}`` (embedded) or ``{"path": ...}``; ``kv_bytes_per_token``
-    for the router (from the model's pool layout). Fault knobs: ``kill_md_after_s``
-    (SIGKILL MD that long after the deployment is ready), ``kill_md_after_tokens`` (SIGKILL
-    MD once the client got that many tokens from it), ``md_transfer_timeout_s``,
-    ``stream_kv`` (P posts each layer's KV as prefill writes it; off: one write after prefill),
-    ``corrupt_handoffs`` (RLD sends that many handoff messages malformed first).
-    ``rld_tpot_s`` prices an RLD token as a production RLD slot costs (the router's
-    default), not at the decode step this machine measures (``run_metrics(...)
-    ["decode_step_s"]``): RLD capacity is what PDD keeps small.
-    ``ttft_slo_s`` (router default 3 s) is scaled with the small emulated links used here:
-    a fresh document's KV needs longer on them; high-hit turns (MD lacks a few pages)
-    meet it. ``pddcore demo`` sets its own (:data:`pddcore.deploy.cli.TTFT_SLO_S`).
-    ``catch_up_threshold`` is :class:`pddcore.handoff.HandoffPolicy`'s default."""
+    """One deployment. ``mode``: "pd" (cross-DC PD: P -> MD only) or "pdd".
+    ``model``: ``{"seed": 0}`` (embedded) or ``{"path": ...}``.
+
+    The gateway's router: ``ttft_slo_s`` (the router's default is 3 s; the demo scales it
+    with its small emulated link, see :data:`pddcore.deploy.cli.TTFT_SLO_S`), ``rld_tpot_s``
+    (what an RLD token costs on a production RLD slot, not this machine's decode step, which
+    the run measures), ``rld_capacity``, ``catch_up_threshold``
+    (:class:`pddcore.handoff.HandoffPolicy`'s default).
+
+    Faults: ``kill_md_after_s`` (SIGKILL MD that long after the trace started),
+    ``kill_md_after_tokens`` (once the client got that many tokens from MD),
+    ``md_transfer_timeout_s`` (an MD prefetch that takes longer leaves its request on RLD)."""
 
     mode: str
-    kv_bytes_per_token: float
     model: dict = field(default_factory=lambda: {"seed": 0})
     page_size: int = 16
-    pool_pages: int = 1536
-    staging_bytes: int = 48 << 20
+    pool_pages: int = 4096
     ttft_slo_s: float = 0.4
     rld_tpot_s: float = 0.03
     rld_capacity: int = 8
@@ -61,17 +63,19 @@ class RunConfig:
     kill_md_after_s: float | None = None
     kill_md_after_tokens: int | None = None
     md_transfer_timeout_s: float | None = None
-    stream_kv: bool = True
-    corrupt_handoffs: int = 0
     deadline_s: float = 900.0
 
 
 @dataclass
 class RunResult:
+    """``requests``: what the client recorded per request, with the gateway's trace of it;
+    ``metrics``: the gateway's Prometheus text at the end; ``timings``: each engine's model
+    passes during the trace (``/pdd/timings``; None for an engine that was gone)."""
+
     mode: str
     requests: list[dict]
-    client_errors: list[str]
-    summary: dict
+    metrics: str
+    timings: dict
     wall_s: float
     md_killed: bool = False
 
@@ -81,116 +85,143 @@ def run_deployment(config: RunConfig, scenario: Scenario, network: Network,
     if config.mode not in ("pd", "pdd"):
         raise ValueError(f"mode must be 'pd' or 'pdd', got {config.mode!r}")
     place = network.placement()
-    with tempfile.TemporaryDirectory(prefix="pddcore-demo-") as tmp:
-        hub, authkey = os.path.join(tmp, "front.sock"), secrets.token_hex(16)
-        common = {"hub": hub, "authkey": authkey, "auth_token": secrets.token_hex(16), "model": config.model,
-                  "page_size": config.page_size, "pool_pages": config.pool_pages}
-        configs = {
-            "front": {"hub": hub, "authkey": authkey, "mode": config.mode, "md_address": place.md_from_a,
-                      "rld_address": place.rld_from_p, "md_token_milestone": config.kill_md_after_tokens,
-                      "router": {"kv_bytes_per_token": config.kv_bytes_per_token, "ttft_slo_s": config.ttft_slo_s,
-                                 "rld_tpot_s": config.rld_tpot_s, "rld_capacity": config.rld_capacity,
-                                 "prior_bytes_per_s": network.bandwidth_bps / 8,
-                                 "prior_rtt_s": 2 * network.delay_ms / 1e3}},
-            "P": {**common, "listen": place.p_listen, "send_bytes": 2 * config.staging_bytes,
-                  "md_transfer_timeout_s": config.md_transfer_timeout_s, "stream_kv": config.stream_kv},
-            "RLD": {**common, "listen": place.rld_listen, "staging_bytes": config.staging_bytes,
-                    "md_address": place.md_from_a, "catch_up_threshold": config.catch_up_threshold,
-                    "capacity": config.rld_capacity, "corrupt_handoffs": config.corrupt_handoffs},
-            "MD": {**common, "listen": place.md_listen, "staging_bytes": config.staging_bytes,
-                   "rld_address": place.rld_from_md if config.mode == "pdd" else None},
-            "client": {"hub": hub, "authkey": authkey, "results": os.path.join(tmp, "results.json"),
-                       "scenario": dataclasses.asdict(scenario)},
-        }
-        sides = {"front": None, "P": "a", "RLD": "a", "MD": "b", "client": None}
-        roles = ["front", "P", "MD", "client"] + (["RLD"] if config.mode == "pdd" else [])
-        procs: dict[str, subprocess.Popen] = {}
-        logs: dict[str, str] = {}
-        ctl = None
+    with tempfile.TemporaryDirectory(prefix="pddcore-demo-") as tmp, ExitStack() as stack:
+        servers = _Servers(place, config, tmp, stack)
+        p = servers.engine("P", "a", "prefill")
+        engines = {"P": p.url}
+        if config.mode == "pdd":
+            engines["RLD"] = servers.engine("RLD", "a", "decode").url
+        md = servers.engine("MD", "b", "decode", *place.md_args)
+        engines["MD"] = place.md_url_from_a or md.url
+        for role in engines.keys() - {"P"}:
+            _in_cluster_a(place, _warm_up, p.url, engines[role])
+        gateway = servers.gateway(engines, network)
+        paths = {"config": os.path.join(tmp, "client.json"), "results": os.path.join(tmp, "results.json")}
+        with open(paths["config"], "w") as f:
+            json.dump({"url": gateway.url, "engines": engines, "scenario": dataclasses.asdict(scenario),
+                       "results": paths["results"]}, f)
+        with open(os.path.join(tmp, "client.log"), "w") as log:
+            client = network.popen("a", [sys.executable, "-m", "pddcore.deploy.client", paths["config"]],
+                                   stdout=subprocess.PIPE, stderr=log, text=True)
+        stack.callback(_end, client)
+        md_killed = _supervise(config, client, servers, on_progress)
+        with open(paths["results"]) as f:
+            results = json.load(f)
+        return RunResult(config.mode, results["requests"], results["metrics"], results["timings"],
+                         results["wall_s"], md_killed)
+
+
+class _Servers:
+    """The run's servers, each stopped when the run's stack unwinds."""
+
+    def __init__(self, place: Placement, config: RunConfig, tmp: str, stack: ExitStack):
+        self.place, self.config, self.tmp, self.stack = place, config, tmp, stack
+        self.env = {"PDDCORE_AUTH_TOKEN": secrets.token_hex(32)}
+        self.procs: dict[str, ServerProcess] = {}
+
+    def _start(self, name: str, side: str, args: list[str]) -> ServerProcess:
         try:
-            for role in roles:
-                path = os.path.join(tmp, f"{role}.json")
-                with open(path, "w") as f:
-                    json.dump(configs[role], f)
-                logs[role] = os.path.join(tmp, f"{role}.log")
-                with open(logs[role], "w") as log:
-                    procs[role] = network.popen(sides[role], [sys.executable, "-m", "pddcore.deploy.launch", role, path],
-                                                stdout=log, stderr=subprocess.STDOUT)
-                if role == "front":
-                    ctl = _connect(hub, authkey, procs["front"], logs)
-            return _supervise(config, ctl, procs, logs, configs["client"]["results"], on_progress)
-        finally:
-            if ctl is not None:
-                ctl.close()  # the front stops; every role sees its socket close and exits
-            _reap(procs)
+            proc = ServerProcess(args, where=self.place.where[side], env=self.env,
+                                 log_path=os.path.join(self.tmp, f"{name}.log"))
+        except RuntimeError as e:
+            raise DeploymentError(f"{name} did not start: {e}\n{self.tails()}") from None
+        self.stack.callback(proc.stop)
+        self.procs[name] = proc
+        return proc
+
+    def engine(self, name: str, side: str, role: str, *listen: str) -> ServerProcess:
+        model = self.config.model
+        args = ["engine", "--role", role, "--pool-pages", str(self.config.pool_pages),
+                "--page-size", str(self.config.page_size)]
+        args += ["--model", model["path"]] if model.get("path") else ["--seed", str(model.get("seed", 0))]
+        return self._start(name, side, args + list(listen or ("--host", self.place.host[side], "--port", "0")))
+
+    def gateway(self, engines: dict[str, str], network: Network) -> ServerProcess:
+        c = self.config
+        args = ["serve", "--engine", "reference", "--host", self.place.host["a"], "--port", "0",
+                "--prefill", engines["P"], "--main", engines["MD"], "--ttft-slo-s", str(c.ttft_slo_s),
+                "--rld-tpot-s", str(c.rld_tpot_s), "--rld-capacity", str(c.rld_capacity),
+                "--catch-up-threshold", str(c.catch_up_threshold), "--wan-mbps", str(network.bandwidth_bps / 1e6),
+                "--wan-rtt-ms", str(2 * network.delay_ms)]
+        args += ["--relay", engines["RLD"]] if "RLD" in engines else []
+        if c.md_transfer_timeout_s is not None:
+            args += ["--prefetch-timeout-s", str(c.md_transfer_timeout_s)]
+        return self._start("gateway", "a", args)
+
+    def kill(self, name: str) -> None:
+        self.procs[name].kill()
+
+    def exited(self, *spare: str) -> str | None:
+        """The first server, other than ``spare``, that is no longer running."""
+        return next((n for n, p in self.procs.items() if n not in spare and p.proc.poll() is not None), None)
+
+    def tails(self) -> str:
+        logs = {name: os.path.join(self.tmp, f"{name}.log") for name in [*self.procs, "client"]}
+        return "\n".join(f"--- {name} log ---\n{_tail(path)}" for name, path in logs.items() if os.path.exists(path))
 
 
-def _connect(hub: str, authkey: str, front: subprocess.Popen, logs: dict):
-    for _ in range(600):
-        if front.poll() is not None:
-            raise DeploymentError(f"the front exited at start:\n{_tail(logs['front'])}")
-        if os.path.exists(hub):
-            try:
-                conn = Client(hub, family="AF_UNIX", authkey=bytes.fromhex(authkey))
-                conn.send(("hello", "ctl", {}))
-                return conn
-            except (ConnectionRefusedError, FileNotFoundError):
-                pass
-        time.sleep(0.05)
-    raise DeploymentError("the front did not open its socket within 30 s")
-
-
-def _supervise(config: RunConfig, ctl, procs: dict, logs: dict, results_path: str,
-               on_progress: Callable[[int], None] | None) -> RunResult:
+def _supervise(config: RunConfig, client: subprocess.Popen, servers: _Servers,
+               on_progress: Callable[[int], None] | None) -> bool:
+    """Follows the client's progress lines until it ends, injecting the faults; True when MD
+    was killed."""
     started = time.monotonic()
-    ready_at = None
     md_killed = False
-    while procs["client"].poll() is None:
-        if time.monotonic() - started > config.deadline_s:
-            raise DeploymentError(f"the run did not finish within {config.deadline_s} s\n{_all_tails(logs)}")
-        for role, proc in procs.items():
-            if role != "client" and proc.poll() is not None and not (role == "MD" and md_killed):
-                raise DeploymentError(f"{role} exited with {proc.returncode}\n{_all_tails(logs)}")
-        if ready_at is not None and config.kill_md_after_s is not None and not md_killed \
-                and time.monotonic() - ready_at >= config.kill_md_after_s:
-            md_killed = _kill(procs["MD"])
-        if not ctl.poll(0.05):
-            continue
-        msg = ctl.recv()
-        if msg[0] == "md_milestone" and not md_killed:
-            md_killed = _kill(procs["MD"])
-        elif msg[0] == "ready":
-            ready_at = time.monotonic()
-        elif msg[0] == "progress" and on_progress is not None:
-            on_progress(msg[1])
-        elif msg[0] == "failed":
-            raise DeploymentError(f"the deployment failed: {msg[1]}\n{_all_tails(logs)}")
-    if procs["client"].returncode != 0:
-        raise DeploymentError(f"the client exited with {procs['client'].returncode}\n{_all_tails(logs)}")
-    ctl.send(("summary",))
     while True:
-        msg = ctl.recv()
-        if msg[0] == "summary":
+        if time.monotonic() - started > config.deadline_s:
+            raise DeploymentError(f"the run did not finish within {config.deadline_s} s\n{servers.tails()}")
+        gone = servers.exited("MD") if md_killed else servers.exited()
+        if gone is not None:
+            raise DeploymentError(f"{gone} exited with {servers.procs[gone].proc.returncode}\n{servers.tails()}")
+        if config.kill_md_after_s is not None and not md_killed \
+                and time.monotonic() - started >= config.kill_md_after_s:
+            servers.kill("MD")
+            md_killed = True
+        if not select.select([client.stdout], [], [], 0.05)[0]:
+            continue
+        line = client.stdout.readline()
+        if not line:
             break
-    with open(results_path) as f:
-        results = json.load(f)
-    return RunResult(config.mode, results["requests"], results["errors"], msg[1], results["wall_s"], md_killed)
+        progress = json.loads(line)
+        if "done" in progress and on_progress is not None:
+            on_progress(progress["done"])
+        if "md_tokens" in progress and not md_killed and config.kill_md_after_tokens is not None \
+                and progress["md_tokens"] >= config.kill_md_after_tokens:
+            servers.kill("MD")
+            md_killed = True
+    if client.wait() != 0:
+        raise DeploymentError(f"the client exited with {client.returncode}\n{servers.tails()}")
+    return md_killed
 
 
-def _kill(proc: subprocess.Popen) -> bool:
-    proc.send_signal(signal.SIGKILL)
+def _in_cluster_a(place: Placement, fn: Callable, *args) -> None:
+    where = place.where["a"]
+    if where is None:
+        fn(*args)
+    else:
+        where.call(fn, *args, timeout=600)
+
+
+def _warm_up(p_url: str, decoder_url: str) -> None:
+    """One long P -> decoder request, straight to the engines: first passes allocate and
+    first pulls connect, which the trace's first requests should not pay for."""
+    prompt = [16 + (11 * i) % 4000 for i in range(1024)]
+    answer = _checked(requests.post(p_url + "/inference/v1/generate", timeout=300, json={
+        "token_ids": prompt, "sampling_params": {"max_tokens": 1}, "kv_transfer_params": {"do_remote_decode": True}}))
+    _checked(requests.post(decoder_url + "/inference/v1/generate", timeout=300, json={
+        "token_ids": prompt, "sampling_params": {"max_tokens": 2},
+        "kv_transfer_params": answer.json()["kv_transfer_params"]}))
+
+
+def _checked(resp: requests.Response) -> requests.Response:
+    if resp.status_code != 200:
+        raise DeploymentError(f"the warm-up request to {resp.url} failed: HTTP {resp.status_code}: {resp.text[:500]}")
+    return resp
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
     proc.wait()
-    return True
-
-
-def _reap(procs: dict[str, subprocess.Popen]) -> None:
-    deadline = time.monotonic() + 5
-    for proc in procs.values():
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _tail(path: str, lines: int = 25) -> str:
@@ -199,7 +230,3 @@ def _tail(path: str, lines: int = 25) -> str:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
-
-
-def _all_tails(logs: dict[str, str]) -> str:
-    return "\n".join(f"--- {role} log ---\n{_tail(path)}" for role, path in logs.items())

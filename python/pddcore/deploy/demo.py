@@ -1,14 +1,14 @@
-"""`run_demo`: one scenario through cross-DC PD and PDD on the same emulated WAN, plus
-the single-process reference decode that judges both."""
+"""`run_demo`: one scenario through cross-DC PD and PDD (the gateway over reference engine
+servers) on the same emulated WAN, plus the single-process reference decode that judges both."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
+from ..model import load_model
 from .cluster import RunConfig, RunResult, run_deployment
 from .network import Network
-from .node import load_model
 from .reference import compare, reference_outputs
 from .report import run_metrics
 from .trace import Scenario
@@ -30,17 +30,16 @@ def run_demo(scenario: Scenario, network: Network, *, model: dict | None = None,
     """Runs ``modes`` in order on the open ``network``; returns metrics, correctness and the raw runs.
     ``overrides``: per-mode RunConfig fields, e.g. ``{"pdd": {"kill_md_after_s": 2.0}}``."""
     model = model or {"seed": 0}
-    bpt = kv_bytes_per_token(model)
     runs: dict[str, RunResult] = {}
     for mode in modes:
-        config = RunConfig(mode, kv_bytes_per_token=bpt, model=model, **(overrides or {}).get(mode, {}))
+        config = RunConfig(mode, model=model, **(overrides or {}).get(mode, {}))
         runs[mode] = run_deployment(config, scenario, network,
                                     None if progress is None else (lambda n, m=mode: progress(m, n)))
     jobs = [(tuple(r["context"]), r["max_new_tokens"]) for run in runs.values() for r in run.requests]
     reference = reference_outputs(model, jobs)
     return {
         "network": network.describe(), "network_kind": network.kind,
-        "kv_bytes_per_token": bpt, "model": model,
+        "kv_bytes_per_token": kv_bytes_per_token(model), "model": model,
         "metrics": {mode: run_metrics(run) for mode, run in runs.items()},
         "correctness": {mode: compare(run.requests, reference) for mode, run in runs.items()},
         "runs": {mode: dataclasses.asdict(run) for mode, run in runs.items()},

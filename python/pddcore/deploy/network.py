@@ -1,11 +1,12 @@
 """Where the roles run and how they reach each other.
 
-With root (CI, the demo box): one :class:`pddcore.testing.wan.WanLink`. P and RLD run in
-namespace ``a`` (cluster A; P reaches RLD over local delivery inside ``a``), MD in
-namespace ``b`` (cluster B); P->MD, RLD->MD and MD->RLD cross the emulated link (tbf
-bandwidth cap + TUN delay line). Without root: everything on 127.0.0.1 and the traffic
-between the clusters crosses a userspace :class:`pddcore.testing.relay.WanRelay`
-(token bucket + delay). :attr:`Network.kind` says which one ran.
+With root (CI, the demo box): one :class:`pddcore.testing.wan.WanLink`. P, RLD, the gateway
+and the client run in namespace ``a`` (cluster A), MD in namespace ``b`` (cluster B);
+everything between the clusters (the gateway's calls to MD, MD's pulls from P and P's
+writes of the pages) crosses the emulated link (tbf bandwidth cap + TUN delay line).
+Without root: everything on 127.0.0.1, and what cluster A sends to MD (the gateway's calls,
+P's page writes) crosses a userspace :class:`pddcore.testing.relay.WanRelay` (token bucket
++ delay); MD's small pull requests to P go straight. :attr:`Network.kind` says which one ran.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import socket
 import subprocess
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..testing.relay import WanRelay
 from ..testing.wan import WanLink, unavailable_reason
@@ -23,15 +24,15 @@ __all__ = ["Network", "Placement"]
 
 @dataclass(frozen=True)
 class Placement:
-    """Listen addresses of RLD's and MD's engines, and how each is dialled: by P and RLD
-    (``md_from_a``, ``rld_from_p``) and by MD (``rld_from_md``)."""
+    """One run's places. ``where[side]``: what to start a process of cluster ``side``
+    ("a", "b") in (a WanLink endpoint, or None: here); ``host[side]``: its listen address.
+    ``md_args``: MD's ``pddcore engine`` options for its ports and the transfer address it
+    advertises; ``md_url_from_a``: MD's URL as cluster A dials it (None: the one MD prints)."""
 
-    p_listen: str
-    rld_listen: str
-    md_listen: str
-    rld_from_p: str
-    md_from_a: str
-    rld_from_md: str
+    where: dict[str, Any]
+    host: dict[str, str]
+    md_args: tuple[str, ...]
+    md_url_from_a: str | None
 
 
 def _free_port() -> int:
@@ -42,7 +43,7 @@ def _free_port() -> int:
 
 class Network:
     """The emulated WAN for a series of runs: ``open()``, then per run ``placement()`` and
-    ``popen(role_side, argv)``; ``close()`` removes everything."""
+    ``popen(side, argv)`` for processes that are not servers; ``close()`` removes everything."""
 
     def __init__(self, bandwidth_bps: float, delay_ms: float, jitter_ms: float = 0.0, *, force_relay: bool = False):
         self.bandwidth_bps = bandwidth_bps
@@ -52,7 +53,6 @@ class Network:
         self.kind = "userspace relay" if self.reason else "kernel WAN emulator"
         self.link: WanLink | None = None
         self.relay: WanRelay | None = None
-        self._runs = 0
 
     def describe(self) -> str:
         link = f"{self.bandwidth_bps / 1e6:g} Mbit/s, {self.delay_ms:g} ms one-way"
@@ -68,21 +68,22 @@ class Network:
         return self
 
     def placement(self) -> Placement:
-        """Fresh addresses for the next run (a new relay, or new ports on the link)."""
-        self._runs += 1
+        """Places for the next run (with the relay: new ports for MD and a new relay)."""
         if self.link is not None:
             a, b = self.link.a.address, self.link.b.address
-            rld, md = f"{a}:{17000 + 2 * self._runs}", f"{b}:{17001 + 2 * self._runs}"
-            return Placement(f"{a}:0", rld, md, rld, md, rld)
+            return Placement({"a": self.link.a, "b": self.link.b}, {"a": a, "b": b},
+                             ("--host", b, "--port", "0"), None)
         if self.relay is not None:
             self.relay.close()
-        rld_port, md_port = _free_port(), _free_port()
+        http_port, transfer_port = _free_port(), _free_port()
         self.relay = WanRelay(self.bandwidth_bps, self.delay_ms)
-        md_via = self.relay.forward(("127.0.0.1", md_port), side="a")
-        rld_via = self.relay.forward(("127.0.0.1", rld_port), side="b")
+        http_via = self.relay.forward(("127.0.0.1", http_port), side="a")
+        transfer_via = self.relay.forward(("127.0.0.1", transfer_port), side="a")
         self.relay.start()
-        return Placement("127.0.0.1:0", f"127.0.0.1:{rld_port}", f"127.0.0.1:{md_port}", f"127.0.0.1:{rld_port}",
-                         f"127.0.0.1:{md_via}", f"127.0.0.1:{rld_via}")
+        local = "127.0.0.1"
+        return Placement({"a": None, "b": None}, {"a": local, "b": local},
+                         ("--host", local, "--port", str(http_port), "--transfer-listen", f"{local}:{transfer_port}",
+                          "--transfer-advertise", f"{local}:{transfer_via}"), f"http://{local}:{http_via}")
 
     def popen(self, side: str | None, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Starts ``argv`` in cluster ``side`` ("a", "b") or, with None, next to the caller."""

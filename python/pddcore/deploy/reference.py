@@ -9,7 +9,7 @@ import multiprocessing as mp
 import torch
 
 from ..model import generate, token_agreement
-from .node import load_model
+from ..model import load_model
 
 __all__ = ["reference_outputs", "compare"]
 

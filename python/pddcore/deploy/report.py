@@ -1,7 +1,7 @@
 """Numbers of a run (TTFT percentiles, TPOT, WAN bytes, token shares, handoffs, routes,
-and what the roles measured: prefill time, KV transfer times, MD's cache hits, decode
-steps), the comparison table the demo prints, and :func:`explain`, the scenario's
-rationale in this run's measured figures.
+and what the gateway and the engines measured: prefill time, when the KV was usable at RLD
+and MD, MD's cache hits, decode steps), the comparison table the demo prints, and
+:func:`explain`, the scenario's rationale in this run's measured figures.
 
 Example::
 
@@ -12,35 +12,52 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from .._stats import percentiles
 from .cluster import RunResult
 
-__all__ = ["run_metrics", "format_table", "plot_ttft_cdf", "explain"]
+__all__ = ["run_metrics", "format_table", "plot_ttft_cdf", "explain", "gateway_counters"]
+
+
+def gateway_counters(metrics_text: str) -> dict[str, float]:
+    """The gateway's counters from its Prometheus text: ``"name{label}"`` (or ``"name"``) -> value."""
+    out = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                label = ",".join(sample.labels.values())
+                out[f"{sample.name}{{{label}}}" if label else sample.name] = sample.value
+    return out
 
 
 def run_metrics(run: RunResult) -> dict:
-    ttft = np.array([r["times"][0] - r["submitted"] for r in run.requests if r["times"]])
-    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in run.requests if len(r["times"]) > 1]
-    roles = [role for r in run.requests for role in r["roles"]]
-    counts = run.summary["counts"]
+    requests = run.requests
+    traces = [r["trace"] for r in requests]
+    ttft = np.array([r["times"][0] - r["submitted"] for r in requests if r["times"]])
+    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in requests if len(r["times"]) > 1]
+    roles = [role for t in traces for role in t["sources"]]
+    handoffs = Counter(kind for t in traces for kind, _ in t["handoffs"])
+    routes = Counter(t["pipeline"] for t in traces)
+    counters = gateway_counters(run.metrics)
+    faults = {name.removeprefix("pddcore_").replace("_total{", ":").rstrip("}"): int(value)
+              for name, value in counters.items()
+              if name.startswith(("pddcore_resumes_total", "pddcore_fallbacks_total")) and value}
     pct = percentiles(ttft, (50, 90, 99), empty=float("nan"))
     return {
-        "mode": run.mode, "requests": len(run.requests), "wall_s": run.wall_s,
+        "mode": run.mode, "requests": len(requests), "wall_s": run.wall_s,
         "ttft_s": {"p50": pct[50], "p90": pct[90], "p99": pct[99], "mean": float(ttft.mean()) if len(ttft) else None},
         "ttft_all_s": sorted(ttft.tolist()),
         "tpot_s": float(np.mean(tpot)) if tpot else None,
-        "wan_bytes": run.summary["wan_bytes"],
+        "wan_bytes": counters.get("pddcore_wan_kv_bytes_total", 0.0),
         "tokens": {"RLD": roles.count("RLD"), "MD": roles.count("MD")},
-        "handoffs": {"one_shot": counts.get("handoff_one_shot", 0), "catch_up": counts.get("handoff_catch_up", 0),
-                     "rejected": counts.get("handoff_rejected", 0)},
-        "routes": {p: counts.get(f"route_{p}", 0) for p in ("P_MD", "P_RLD_MD", "RLD_ONLY")},
-        "faults": {k: v for k, v in counts.items() if k.startswith(("md_lost", "md_failed", "stayed_on_rld",
-                                                                       "md_transfer_timeout", "md_cache_only"))},
-        "ownership_violations": run.summary["violations"] + run.client_errors,
+        "handoffs": {"one_shot": handoffs["one_shot"], "catch_up": handoffs["catch_up"]},
+        "routes": {p: routes[p] for p in ("P_MD", "P_RLD_MD", "RLD_ONLY")},
+        "faults": faults,
         "md_killed": run.md_killed,
         **_measured(run),
     }
@@ -55,23 +72,26 @@ def _spread(samples: Sequence[float]) -> dict:
 
 
 def _measured(run: RunResult) -> dict:
-    """What the roles measured (:mod:`.front` gathers it): prefill time at P, how long after
-    its prefill a request's KV was usable at RLD and at MD, the share of each follow-up
-    turn's context MD's radix cache held, and the decode steps of RLD and MD."""
-    summary = run.summary
-    prefills, usable = summary["prefills"], summary["kv_usable_s"]
-    tokens = sum(n for n, _ in prefills.values())
-    seconds = sum(s for _, s in prefills.values())
-    followups = [r for r in run.requests if r["turn"] > 0]
-    steps = {role: summary["decode_steps"][role] for role in ("RLD", "MD")}
+    """What the gateway timed per request (the first prefill; how long after it the KV was
+    usable at RLD, its first token there, and at MD, its prefetch done or its first token),
+    MD's share of each follow-up turn's context as the gateway's estimate routed it, and the
+    engines' own timings of their model passes."""
+    requests = run.requests
+    passes = (run.timings.get("P") or {}).get("extend_passes", [])
+    tokens, seconds = sum(n for _, n in passes), sum(s for s, _ in passes)
+    usable = {target: [r["trace"]["kv_usable_s"][target] for r in requests if target in r["trace"]["kv_usable_s"]]
+              for target in ("rld", "md")}
+    steps = {role: (run.timings.get(role) or {}).get("decode_steps", []) for role in ("RLD", "MD")}
     return {
         "prefill": {"tokens": tokens, "seconds": seconds, "s_per_token": seconds / tokens if tokens else None},
         "fresh_contexts": [{"rid": r["rid"], "context_tokens": len(r["context"]),
-                            "prefilled_tokens": prefills[r["rid"]][0], "prefill_s": prefills[r["rid"]][1],
-                            "kv_to_rld_s": usable["rld"].get(r["rid"]), "kv_to_md_s": usable["md"].get(r["rid"])}
-                           for r in run.requests if r["turn"] == 0 and r["rid"] in prefills],
-        "kv_usable_s": {target: _spread(list(usable[target].values())) for target in ("rld", "md")},
-        "md_hit_followups": _spread([summary["md_cached"][r["rid"]] / len(r["context"]) for r in followups]),
+                            "prefilled_tokens": r["trace"]["prefill_tokens"], "prefill_s": r["trace"]["prefill_s"],
+                            "kv_to_rld_s": r["trace"]["kv_usable_s"].get("rld"),
+                            "kv_to_md_s": r["trace"]["kv_usable_s"].get("md")}
+                           for r in requests if r["turn"] == 0 and r["trace"]["prefill_s"] is not None],
+        "kv_usable_s": {target: _spread(samples) for target, samples in usable.items()},
+        "md_hit_followups": _spread([r["trace"]["md_cached_tokens"] / len(r["context"])
+                                     for r in requests if r["turn"] > 0]),
         "decode_step_s": {role: {**_spread([s for s, _ in steps[role]]),
                                  "mean_batch": float(np.mean([b for _, b in steps[role]])) if steps[role] else None}
                           for role in steps},
@@ -95,7 +115,6 @@ def format_table(metrics: list[dict], labels: list[str]) -> str:
         ("WAN bytes (P->MD KV)", lambda m: _mb(m["wan_bytes"])),
         ("tokens RLD / MD", share),
         ("handoffs one-shot / catch-up", lambda m: f"{m['handoffs']['one_shot']} / {m['handoffs']['catch_up']}"),
-        ("handoffs rejected (malformed)", lambda m: str(m["handoffs"]["rejected"])),
         ("routes P_MD / P_RLD_MD / RLD_ONLY",
          lambda m: f"{m['routes']['P_MD']} / {m['routes']['P_RLD_MD']} / {m['routes']['RLD_ONLY']}"),
         ("faults and fallbacks", lambda m: ", ".join(f"{k}={v}" for k, v in sorted(m["faults"].items())) or "-"),
@@ -141,10 +160,10 @@ def explain(m: dict) -> str:
     p = m["prefill"]
     if p["tokens"]:
         lines.append(f"  prefill at P: {p['s_per_token'] * 1e3:.2f} ms per token ({p['tokens']} tokens in "
-                     f"{p['seconds']:.2f} s)")
+                     f"{p['seconds']:.2f} s of extend passes)")
     for f in m["fresh_contexts"]:
         lines.append(f"  fresh context of {f['context_tokens']} tokens ({f['prefilled_tokens']} not cached at P): "
-                     f"prefill {f['prefill_s']:.2f} s, then its KV usable at RLD after {_ms(f['kv_to_rld_s'])}, "
+                     f"prefill call {f['prefill_s']:.2f} s, then its KV usable at RLD after {_ms(f['kv_to_rld_s'])}, "
                      f"at MD after {_ms(f['kv_to_md_s'])}")
     usable = [f"at {target.upper()} {_ms(k['p50'])} ({_ms(k['min'])} to {_ms(k['max'])}, {k['count']} requests)"
               for target, k in m["kv_usable_s"].items() if k["count"]]
@@ -153,7 +172,7 @@ def explain(m: dict) -> str:
     hit = m["md_hit_followups"]
     if hit["count"]:
         lines.append(f"  follow-up turns: {100 * hit['min']:.1f} to {100 * hit['max']:.1f} % of the context in MD's "
-                     f"radix cache (median {100 * hit['p50']:.1f} %, {hit['count']} turns), so only their last "
+                     f"prefix cache, as the gateway's radix tree tracks it (median {100 * hit['p50']:.1f} %, {hit['count']} turns), so only their last "
                      f"pages cross the WAN")
     steps = [f"{role} {_ms(d['p50'])} ({d['count']} steps, {d['mean_batch']:.2f} requests per step on average)"
              for role, d in m["decode_step_s"].items() if d["count"]]

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     parser.add_argument("--transfer-listen", default=None,
                         help="host:port of the KV transfer engine (default: the HTTP host, any port)")
+    parser.add_argument("--transfer-advertise", default=None, metavar="HOST:PORT",
+                        help="the address other engines dial to reach the transfer engine, where it differs from "
+                             "the listen address (NAT, a relay; default: the listen address)")
     parser.add_argument("--lease-s", type=float, default=60.0, help="how long a prefill keeps unpulled KV (default 60)")
     parser.add_argument("--pull-timeout-s", type=float, default=30.0, help="how long a decode waits for KV (default 30)")
     parser.add_argument("--served-model-name", default="pddcore-reference", help="the model name clients use")
@@ -46,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from ..deploy.node import load_model
+    from ..model import load_model
     from ..transfer import TransferEngine
     from .scheduler import Scheduler
     from .server import EngineServer
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                               tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     scheduler = Scheduler(model, pool_pages=args.pool_pages, page_size=args.page_size, transfer=transfer,
                           engine_id=f"{args.role}-{uuid.uuid4().hex[:12]}", lease_s=args.lease_s,
-                          pull_timeout_s=args.pull_timeout_s)
+                          pull_timeout_s=args.pull_timeout_s, advertise=args.transfer_advertise)
     server = EngineServer(args.role, model, scheduler, model_name=args.served_model_name)
 
     async def serve() -> None:

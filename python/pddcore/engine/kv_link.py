@@ -78,8 +78,10 @@ class _Send:
 class KvProducer:
     """The prefill side: leases and the pulls they serve."""
 
-    def __init__(self, engine: TransferEngine, pool: KVPool, engine_id: str, lease_s: float):
+    def __init__(self, engine: TransferEngine, pool: KVPool, engine_id: str, lease_s: float,
+                 advertise: str | None = None):
         self.engine, self.pool, self.engine_id, self.lease_s = engine, pool, engine_id, lease_s
+        self.advertise = advertise or engine.address  # what decode engines dial
         self.peers = PeerCache(engine)
         self.leases: dict[str, _Lease] = {}
         self.sends: list[_Send] = []
@@ -92,7 +94,7 @@ class KvProducer:
         self.pool.allocator.retain(pages)
         self._drop(rid)
         self.leases[rid] = _Lease(list(pages), num_tokens, time.monotonic() + self.lease_s, pulls)
-        host, _, port = self.engine.address.rpartition(":")
+        host, _, port = self.advertise.rpartition(":")
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                 "remote_host": host, "remote_port": int(port), "remote_request_id": rid,
                 "remote_block_ids": list(pages), "remote_num_tokens": num_tokens,
@@ -176,8 +178,9 @@ class PendingPull:
 class KvConsumer:
     """The decode side: pulls pages from a producer into a fresh target buffer."""
 
-    def __init__(self, engine: TransferEngine, pool: KVPool, timeout_s: float):
+    def __init__(self, engine: TransferEngine, pool: KVPool, timeout_s: float, advertise: str | None = None):
         self.engine, self.pool, self.timeout_s = engine, pool, timeout_s
+        self.advertise = advertise or engine.address  # what producers dial to write the pages
         self.peers = PeerCache(engine)
         self.page_nbytes = pool.layout().packed_nbytes(1)
         self.pending: dict[str, PendingPull] = {}
@@ -208,7 +211,7 @@ class KvConsumer:
         self.pending[pull_id] = pull
         self.engine.send(peer, _encode(PULL, {"rid": remote_rid, "pull_id": pull_id, "first_page": first_page,
                                               "num_pages": num_pages, "dst": region.descriptor().hex(),
-                                              "reply_to": self.engine.address}))
+                                              "reply_to": self.advertise}))
         return pull
 
     def on_message(self, message: Message, kind: str, body: dict) -> PendingPull | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +31,8 @@ from .kv_link import KvConsumer, KvLinkError, KvProducer, PendingPull, parse_mes
 __all__ = ["GenerationRequest", "Scheduler", "Event"]
 
 log = logging.getLogger("pddcore.engine")
+
+TIMING_SAMPLES = 1 << 16
 
 Event = tuple  # ("tokens", [ids]) | ("finish", reason, kv_transfer_params | None, cached_tokens) | ("error", status, message)
 
@@ -68,18 +72,23 @@ class Scheduler:
     :meth:`cancel` may be called from any thread."""
 
     def __init__(self, model: Model, *, pool_pages: int, page_size: int, transfer: TransferEngine,
-                 engine_id: str, lease_s: float = 60.0, pull_timeout_s: float = 30.0, max_batch: int = 64):
+                 engine_id: str, lease_s: float = 60.0, pull_timeout_s: float = 30.0, max_batch: int = 64,
+                 advertise: str | None = None):
         self.model = model
         self.pool = model.new_pool(pool_pages, page_size)
         self.cache = RadixCache(page_size=page_size)
         self.transfer = transfer
-        self.producer = KvProducer(transfer, self.pool, engine_id, lease_s)
-        self.consumer = KvConsumer(transfer, self.pool, pull_timeout_s)
+        self.producer = KvProducer(transfer, self.pool, engine_id, lease_s, advertise)
+        self.consumer = KvConsumer(transfer, self.pool, pull_timeout_s, advertise)
         self.max_batch = max_batch
         self.eos = frozenset(model.config.eos_token_ids)
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: list[GenerationRequest] = []
         self.active: dict[str, _Active] = {}
+        # The latest model passes, for /pdd/timings: (seconds, batch size) per decode step and
+        # (seconds, tokens computed) per extend pass.
+        self.decode_steps: deque[tuple[float, int]] = deque(maxlen=TIMING_SAMPLES)
+        self.extend_passes: deque[tuple[float, int]] = deque(maxlen=TIMING_SAMPLES)
         self.counts = {"requests": 0, "finished": 0, "cancelled": 0, "failed": 0, "prompt_tokens": 0,
                        "cached_tokens": 0, "generated_tokens": 0}
         self._stop = threading.Event()
@@ -108,6 +117,12 @@ class Scheduler:
                 "leases": len(self.producer.leases), "pulls_served": self.producer.pulls_served,
                 "bytes_sent": self.producer.bytes_sent, "pulls_done": self.consumer.pulls_done,
                 "bytes_received": self.consumer.bytes_received}
+
+    def timings(self) -> dict:
+        """The latest decode steps ``[seconds, batch]`` and extend passes ``[seconds, tokens]``
+        (up to :data:`TIMING_SAMPLES` each), for the engine's ``/pdd/timings``."""
+        return {"decode_steps": [list(x) for x in self.decode_steps.copy()],  # copy(): one atomic step
+                "extend_passes": [list(x) for x in self.extend_passes.copy()]}
 
     # ---- the KV link's messages ------------------------------------------------------------
     def _pump(self) -> None:
@@ -222,13 +237,15 @@ class Scheduler:
 
     def _extend(self, acts: list[_Active]) -> None:
         """One extend pass over each request's prompt tokens past what its sequence holds."""
+        started = time.perf_counter()
+        new_tokens = [a.req.token_ids[a.seq.num_tokens:] for a in acts]
         try:
-            logits = with_room(self.pool, self.cache, lambda: self.model.extend(
-                [a.seq for a in acts], [a.req.token_ids[a.seq.num_tokens:] for a in acts]))
+            logits = with_room(self.pool, self.cache, lambda: self.model.extend([a.seq for a in acts], new_tokens))
         except PoolExhaustedError:
             for a in acts:
                 self._fail(a, 503, "the KV pool is full")
             return
+        self.extend_passes.append((time.perf_counter() - started, sum(map(len, new_tokens))))
         tokens = sample(logits, [a.req.params for a in acts],
                         [SamplerState(a.req.seed, a.last_position) for a in acts])
         for act, token in zip(acts, tokens):
@@ -239,6 +256,7 @@ class Scheduler:
         batch = [a for a in self.active.values() if a.pull is None][:self.max_batch]
         if not batch:
             return
+        started = time.perf_counter()
         try:
             logits = with_room(self.pool, self.cache,
                                lambda: self.model.decode([a.seq for a in batch], [a.outputs[-1] for a in batch]))
@@ -246,6 +264,7 @@ class Scheduler:
             victim = max(batch, key=lambda a: a.seq.num_tokens)
             self._fail(victim, 503, "the KV pool is full")
             return
+        self.decode_steps.append((time.perf_counter() - started, len(batch)))
         tokens = sample(logits, [a.req.params for a in batch],
                         [SamplerState(a.req.seed, a.last_position) for a in batch])
         for act, token in zip(batch, tokens):

@@ -6,7 +6,8 @@ drives, over :class:`.scheduler.Scheduler` (aiohttp).
 * ``POST /v1/completions`` and ``/v1/chat/completions`` — OpenAI, with vLLM's
   ``return_token_ids`` and ``kv_transfer_params``;
 * ``POST /tokenize``, ``/detokenize``, ``/inference/v1/abort_requests``;
-* ``GET /v1/models``, ``/health``, ``/pdd/state`` (counters, JSON), ``/pdd/info``
+* ``GET /v1/models``, ``/health``, ``/pdd/state`` (counters, JSON), ``/pdd/timings`` (the
+  latest decode steps and extend passes: seconds and batch or tokens), ``/pdd/info``
   (page size and KV bytes per token, for a gateway's router).
 
 ``role`` decides which ``kv_transfer_params`` the engine accepts: a ``prefill`` engine
@@ -63,6 +64,7 @@ class EngineServer:
             web.get("/health", self.health),
             web.get("/pdd/state", self.state),
             web.get("/pdd/info", self.info),
+            web.get("/pdd/timings", self.timings),
         ])
         return app
 
@@ -271,6 +273,9 @@ class EngineServer:
 
     async def state(self, _: web.Request) -> web.Response:
         return web.json_response({"role": self.role, **self.scheduler.state()})
+
+    async def timings(self, _: web.Request) -> web.Response:
+        return web.json_response(self.scheduler.timings())
 
     async def info(self, _: web.Request) -> web.Response:
         layout = self.scheduler.pool.layout()

@@ -64,7 +64,7 @@ Example (RLD decodes three tokens, then MD recomputes them with one extend and g
 
 from .allocator import PageAllocator, PoolExhaustedError
 from .config import Llama3RopeScaling, ModelConfig
-from .decoder import Model
+from .decoder import Model, load_model
 from .generate import TokenAgreement, generate, token_agreement
 from .kv_pool import KVPool, SequenceKV
 from .loader import load_checkpoint
@@ -75,7 +75,7 @@ __all__ = [
     "ModelConfig", "Llama3RopeScaling",
     "ModelWeights", "LayerWeights", "random_weights", "load_checkpoint",
     "PageAllocator", "PoolExhaustedError", "KVPool", "SequenceKV",
-    "Model",
+    "Model", "load_model",
     "SamplingParams", "SamplerState", "sample", "uniform",
     "generate", "TokenAgreement", "token_agreement",
 ]

@@ -213,3 +213,12 @@ def _token_list(request: int | None, ids: TokenIds) -> list[int]:
     except TypeError:
         where = "decode tokens" if request is None else f"request {request}"
         raise ValueError(f"{where}: token ids must be integers, got {values[:8]}") from None
+
+
+def load_model(spec: dict) -> Model:
+    """The model a process spec names: ``{"path": folder}`` (Hugging Face Llama / Qwen2) or
+    the embedded one, ``{"seed": 0}``; float64 on CPU unless ``spec["dtype"]`` says otherwise."""
+    dtype = getattr(torch, spec.get("dtype") or "float64")
+    if spec.get("path"):
+        return Model.from_pretrained(spec["path"], dtype=dtype)
+    return Model.default(seed=spec.get("seed") or 0, dtype=dtype)

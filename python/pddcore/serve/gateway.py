@@ -92,6 +92,10 @@ class RequestTrace:
     handoffs: list[tuple[str, int]] = field(default_factory=list)  # (kind, delivered tokens at the handoff)
     catch_up_rounds: int = 0
     resumes: list[str] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)  # plans dropped without a failure reaching the client
+    prefill_tokens: int | None = None  # prompt tokens P computed (not in its prefix cache), first prefill
+    prefill_s: float | None = None  # the first prefill call, as the gateway timed it
+    kv_usable_s: dict[str, float] = field(default_factory=dict)  # "rld" / "md": KV usable, after the prefill
     handoff_gap_s: float | None = None
     finish_reason: str | None = None
 
@@ -161,6 +165,7 @@ class _Run:
         self.started = time.monotonic()
         self.first_at: float | None = None
         self.last_at: float | None = None
+        self.prefilled_at: float | None = None  # when the latest prefill answered
         self._legs = 0
 
     # ---- entry --------------------------------------------------------------------------------
@@ -209,6 +214,7 @@ class _Run:
         tried: list[Upstream] = []
         while (p := least_loaded(self.gw.prefill, tried)) is not None:
             tried.append(p)
+            started = time.monotonic()
             try:
                 answer = await p.generate(self._leg_id("p"), context, {**self.sampling, "max_tokens": 1},
                                           {"do_remote_decode": True, "pdd_consumers": consumers})
@@ -221,6 +227,10 @@ class _Run:
             if not answer.kv_transfer_params:
                 raise GatewayError(502, f"prefill engine {p.url} returned no kv_transfer_params: is its KV "
                                         "connector configured as a producer?")
+            self.prefilled_at = time.monotonic()
+            if self.trace.prefill_s is None:
+                self.trace.prefill_s = self.prefilled_at - started
+                self.trace.prefill_tokens = len(context) - (answer.cached_tokens or 0)
             return answer.kv_transfer_params
         raise GatewayError(503, f"no prefill engine is reachable ({', '.join(u.url for u in self.gw.prefill)})")
 
@@ -242,12 +252,24 @@ class _Run:
         context, sampling = self._continuation()
         async with aclosing(engine.stream(self._leg_id(source.lower()), context, sampling, kv)) as chunks:
             async for ids, finish in chunks:
+                if kv is not None:
+                    self._kv_usable(source.lower())  # its first token: the engine has pulled the KV
                 ids = self._deliver(ids, source)
                 if ids:
                     yield ids
                 if finish or len(self.delivered) >= self.max_tokens:
                     self._finish(finish or "length")
                     return
+
+    def _kv_usable(self, target: str) -> None:
+        """The latest prefill's KV is usable at ``target`` ("rld" or "md") now: record after how long."""
+        if self.prefilled_at is not None:
+            self.trace.kv_usable_s.setdefault(target, time.monotonic() - self.prefilled_at)
+
+    def _fallback(self, reason: str, what: str) -> None:
+        log.warning("%s: %s", self.rid, what)
+        self.trace.fallbacks.append(what)
+        self.gw.metrics.fallbacks.labels(reason=reason).inc()
 
     def _finish(self, reason: str) -> None:
         self.finished = True
@@ -295,9 +317,12 @@ class _Run:
                                                     {**self.sampling, "max_tokens": 1}, kv),
                                    self.gw.config.prefetch_timeout_s)
         except (UpstreamError, asyncio.TimeoutError) as e:
-            log.warning("%s: MD prefetch failed, the request stays on RLD: %s", self.rid, e)
+            timeout = isinstance(e, asyncio.TimeoutError)
+            self._fallback("md_prefetch_timeout" if timeout else "md_prefetch_failed",
+                           f"MD prefetch {'timed out' if timeout else f'failed ({e})'}: the request stays on RLD")
             self.gw.metrics.upstream_errors.labels(role="main").inc()
             return False
+        self._kv_usable("md")
         self._md_pulled(started)
         return True
 
@@ -327,8 +352,8 @@ class _Run:
                                 self.trace.catch_up_rounds += 1
                                 gw.metrics.catch_up_rounds.inc()
                             else:
-                                log.warning("%s: MD's extend round failed, the request stays on RLD: %s", self.rid,
-                                            extend.exception())
+                                self._fallback("md_extend_failed", f"MD's extend round failed "
+                                                                   f"({extend.exception()}): the request stays on RLD")
                                 prefetch = None  # no more handoffs
                             extend = None
                         if extend is not None or prefetch is None or not prefetch.done() or not prefetch.result():

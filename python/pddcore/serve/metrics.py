@@ -14,6 +14,8 @@ pddcore_catch_up_rounds_total       extend-only rounds MD ran while RLD kept dec
 pddcore_handoff_gap_seconds         last RLD token to first MD token
 pddcore_wan_kv_bytes_total          KV bytes MD pulled across the WAN (tokens x KV bytes per token)
 pddcore_resumes_total{reason}       requests continued elsewhere after a failure
+pddcore_fallbacks_total{reason}     requests that stayed on RLD: md_prefetch_failed,
+                                    md_prefetch_timeout, md_extend_failed
 pddcore_upstream_errors_total{role} failed engine calls, by role
 ==================================  =======================================================
 """
@@ -44,6 +46,8 @@ class GatewayMetrics:
         self.wan_bytes = Counter("pddcore_wan_kv_bytes", "KV bytes MD pulled across the WAN", registry=r)
         self.resumes = Counter("pddcore_resumes", "Requests continued elsewhere after a failure", ["reason"],
                                registry=r)
+        self.fallbacks = Counter("pddcore_fallbacks", "Requests that stayed on RLD instead of moving to MD",
+                                 ["reason"], registry=r)
         self.upstream_errors = Counter("pddcore_upstream_errors", "Failed engine calls", ["role"], registry=r)
 
     def exposition(self) -> bytes:
