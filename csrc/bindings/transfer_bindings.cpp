@@ -52,29 +52,12 @@ void bind_transfer(nb::module_& m) {
              int64_t max_retries, int64_t max_connections, int64_t max_connections_per_host, int64_t max_inbox_bytes,
              double idle_timeout_s, std::optional<std::string> rdma_device, int64_t ib_port,
              std::optional<int64_t> gid_index) {
-            EngineArguments a;
-            a.backend = backend;
-            a.listen = listen;
-            a.streams = streams;
-            a.chunk_bytes = chunk_bytes;
-            if (auth_token) a.auth_token = to_string(*auth_token);
-            a.insecure = insecure;
-            a.tls = tls;
-            a.tls_ca = tls_ca;
-            a.tls_cert = tls_cert;
-            a.tls_key = tls_key;
-            a.congestion_control = std::move(congestion_control);
-            a.timeout_s = timeout_s;
-            a.rate_limit_bps = rate_limit_bps;
-            a.queue_delay_target_s = queue_delay_target_s;
-            a.max_retries = max_retries;
-            a.max_connections = max_connections;
-            a.max_connections_per_host = max_connections_per_host;
-            a.max_inbox_bytes = max_inbox_bytes;
-            a.idle_timeout_s = idle_timeout_s;
-            a.rdma_device = std::move(rdma_device);
-            a.ib_port = ib_port;
-            a.gid_index = gid_index;
+            std::optional<std::string> token;
+            if (auth_token) token = to_string(*auth_token);
+            const EngineArguments a{backend, listen, streams, chunk_bytes, std::move(token), insecure, tls, tls_ca,
+                                    tls_cert, tls_key, std::move(congestion_control), timeout_s, rate_limit_bps,
+                                    queue_delay_target_s, max_retries, max_connections, max_connections_per_host,
+                                    max_inbox_bytes, idle_timeout_s, std::move(rdma_device), ib_port, gid_index};
             nb::gil_scoped_release release;
             new (self) Engine(engine_options(a));
           },

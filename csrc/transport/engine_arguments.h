@@ -25,6 +25,7 @@ constexpr size_t kMinAuthTokenDistinctBytes = 8;
 constexpr int64_t kMaxStreams = 64;
 constexpr uint32_t kAutoQps = 4;
 
+// The bindings fill it in this order (aggregate initialization).
 struct EngineArguments {
   std::string backend = "tcp";
   std::string listen = "127.0.0.1:0";
