@@ -100,7 +100,8 @@ class PDDKVManager(BaseKVManager):
                                      tls_cert=os.environ.get("PDDCORE_TLS_CERT"),
                                      tls_key=os.environ.get("PDDCORE_TLS_KEY"), tls_ca=os.environ.get("PDDCORE_TLS_CA"))
         try:
-            self.staging = StagingPool(self.engine, self.device, staging_bytes(), name=f"pddcore staging ({STAGING_ENV})")
+            self.staging = StagingPool(self.engine, self.device, staging_bytes(),
+                                       name=f"pddcore staging ({STAGING_ENV})")
         except Exception:
             self.engine.close()
             raise

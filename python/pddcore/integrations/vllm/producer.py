@@ -38,7 +38,7 @@ from .metadata import PDDConnectorMetadata
 from .protocol import MESSAGES
 from .shares import Share
 
-__all__ = ["ProducerWorker", "_Staged"]
+__all__ = ["ProducerWorker"]
 
 log = logging.getLogger(__name__)
 
