@@ -2,7 +2,7 @@
 what the router's bandwidth estimator reads): the integration of the kernel's delivery-rate
 samples tested in C++ against hand-made TCP_INFO readings (tests/cpp/delivery_meter_test.cpp:
 acknowledged bytes counted, never rate samples, the gaps between bunches of acks counted,
-a streaming sender's waits and the time after a transfer left out, idle and application-limited connections left out, a reconnect is
+and a repair's stall, a streaming sender's waits and the time after a transfer left out, idle and application-limited connections left out, a reconnect is
 a new baseline), and live counters on loopback. Through
 a real bottleneck with a streaming sender: tests/test_transfer_wan.py (root)."""
 
@@ -18,6 +18,7 @@ from pddcore.transfer import TransferEngine
 METER_CASES = ["sums_the_connections", "streaming_waits_do_not_count", "idle_connection_is_left_out",
                "application_limited_samples_say_nothing", "reconnect_is_a_new_baseline",
                "counts_acknowledged_bytes_not_rate_samples", "acks_in_bunches_count_the_time_between",
+               "a_stall_while_data_is_outstanding_counts",
                "the_time_after_the_last_delivery_does_not_count",
                "late_reading_is_dropped_and_silence_says_nothing"]
 

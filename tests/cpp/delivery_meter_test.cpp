@@ -130,6 +130,21 @@ void acks_in_bunches_count_the_time_between() {
   CHECK(near(meter.bytes() / meter.seconds(), 10e6, 1e-9));
 }
 
+void a_stall_while_data_is_outstanding_counts() {
+  // 10 MB/s, then a loss: 200 ms (5 RTTs) without a cumulative ack and no look, data
+  // outstanding all along; the repair acknowledges those 2 MB at once.
+  DeliveryMeter meter;
+  std::vector<uint64_t> acked(1, 0);
+  busy_stretch(meter, acked, 10e6, 0, 100 * kMs);
+  PathSample last = delivering(acked[0], 10e6);
+  last.data_outstanding = true;
+  meter.observe({{0, last}}, 101 * kMs);
+  const double seconds = meter.seconds(), bytes = meter.bytes();
+  acked[0] += 2'000'000;
+  meter.observe({{0, delivering(acked[0], 10e6)}}, 301 * kMs);
+  CHECK(near(meter.seconds(), seconds + 0.201, 1e-9) && meter.bytes() == bytes + 2'000'000);  // with the look at 101 ms
+}
+
 void the_time_after_the_last_delivery_does_not_count() {
   // A transfer ends; the next look, 60 ms later, finds nothing more acknowledged.
   DeliveryMeter meter;
@@ -169,6 +184,7 @@ int main(int argc, char** argv) {
                         {"reconnect_is_a_new_baseline", reconnect_is_a_new_baseline},
                         {"counts_acknowledged_bytes_not_rate_samples", counts_acknowledged_bytes_not_rate_samples},
                         {"acks_in_bunches_count_the_time_between", acks_in_bunches_count_the_time_between},
+                        {"a_stall_while_data_is_outstanding_counts", a_stall_while_data_is_outstanding_counts},
                         {"the_time_after_the_last_delivery_does_not_count",
                          the_time_after_the_last_delivery_does_not_count},
                         {"late_reading_is_dropped_and_silence_says_nothing", late_reading_is_dropped_and_silence_says_nothing}});

@@ -35,6 +35,7 @@ struct PathSample {
   bool past_slow_start = false;  // the initial slow start ended (a loss or HyStart)
   double delivery_rate_Bps = 0;       // the kernel's latest delivery-rate sample (one ack's worth)
   bool delivery_app_limited = true;   // that sample was taken while the sender had nothing to send
+  bool data_outstanding = false;      // sent segments not yet acknowledged (a stall, not the end)
 };
 
 class DelayPacer {

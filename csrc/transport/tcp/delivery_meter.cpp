@@ -8,10 +8,12 @@ void DeliveryMeter::observe(const std::vector<std::pair<uint32_t, PathSample>>& 
   // Two senders may read the streams at nearly the same moment and report in either order.
   if (now_ns < last_ns_) return;
   const bool limited_since_last = path_limited_;
+  const bool outstanding_since_last = data_outstanding_;
   const int64_t step = now_ns - last_ns_;
   uint64_t delivered = 0;
   int64_t window = kMinDeliveringNs;
   path_limited_ = false;
+  data_outstanding_ = false;
   last_ns_ = now_ns;
   for (const auto& [index, sample] : samples) {
     auto [it, first_seen] = connections_.try_emplace(index);
@@ -23,6 +25,7 @@ void DeliveryMeter::observe(const std::vector<std::pair<uint32_t, PathSample>>& 
       c.advanced_ns = now_ns;
     }
     c.bytes_acked = sample.bytes_acked;
+    data_outstanding_ = data_outstanding_ || sample.data_outstanding;
     if (first_seen || restarted) continue;
     const int64_t delivering = std::max(kMinDeliveringNs, static_cast<int64_t>(sample.srtt_s * 1e9));
     window = std::max(window, delivering);
@@ -31,11 +34,12 @@ void DeliveryMeter::observe(const std::vector<std::pair<uint32_t, PathSample>>& 
   }
   // A busy link is looked at every few acks, and acks come in bunches: a look that finds
   // nothing new acknowledged is held until the next look that does, so the time between
-  // bunches counts with the bytes after it. A look after a silence longer than a round
-  // trip, or one that finds the link no longer the limit, ends the stretch: what was held
-  // is dropped (the transfer ended or stalled in between), and so are bytes whose arrival
-  // time is unknown.
-  if (!limited_since_last || step > window) {
+  // bunches counts with the bytes after it. So does a silence while sent data awaited its
+  // ack (a loss being repaired: the cumulative ack then jumps). A look after a longer
+  // silence with nothing outstanding (the transfer ended in between), or one after a look
+  // that found the link no longer the limit, ends the stretch: what was held is dropped,
+  // and so are bytes whose arrival time is unknown.
+  if (!limited_since_last || (step > window && !outstanding_since_last)) {
     held_ns_ = 0;
     return;
   }

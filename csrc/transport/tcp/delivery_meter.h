@@ -31,7 +31,8 @@ class DeliveryMeter {
  public:
   // A connection counts as delivering if its acknowledged bytes grew within its smoothed
   // RTT, at least this long (acks come in bursts, not every millisecond); two looks further
-  // apart than that say nothing about the time between them.
+  // apart than that, with no data awaiting acks at the first, say nothing about the time
+  // between them.
   static constexpr int64_t kMinDeliveringNs = 20'000'000;
 
   // Every connection's sample, all taken at `now_ns` (a connection is named by its index).
@@ -48,6 +49,7 @@ class DeliveryMeter {
   std::map<uint32_t, Connection> connections_;
   bool path_limited_ = false;  // at the last observation a delivering connection's sample was unflagged
   int64_t held_ns_ = 0;        // path-limited time since the last look that found bytes acknowledged
+  bool data_outstanding_ = false;  // at the last observation a connection awaited acks
   int64_t last_ns_ = 0;
   double bytes_ = 0;
   int64_t ns_ = 0;

@@ -17,6 +17,7 @@ std::optional<PathSample> read_path_sample(int fd) {
                     static_cast<uint64_t>(info.tcpi_snd_cwnd) * info.tcpi_snd_mss, info.tcpi_total_retrans,
                     info.tcpi_segs_out,
                     info.tcpi_snd_ssthresh != 0};  // the kernel reports 0 during the initial slow start
+  sample.data_outstanding = info.tcpi_unacked > 0;
   // Delivery-rate samples came with Linux 4.9; older kernels leave the sample app-limited (unused).
   if (len >= offsetof(tcp_info, tcpi_delivery_rate) + sizeof(info.tcpi_delivery_rate)) {
     sample.delivery_rate_Bps = static_cast<double>(info.tcpi_delivery_rate);

@@ -313,31 +313,31 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
 }
 
 void TcpBackend::observe_path(Link& link) {
-  const int64_t now = now_ns();
-  {
-    std::lock_guard<std::mutex> lock(link.path_mutex);
-    if (now - link.last_path_sample_ns < kPathSampleIntervalNs) return;
-    link.last_path_sample_ns = now;
-  }
-  // Counters read apart would add up to rates the path never had.
-  std::vector<std::pair<uint32_t, PathSample>> samples;
-  uint64_t segments = 0, retransmits = 0;
-  bool loss_based = false;
-  {
-    std::lock_guard<std::mutex> lock(link.mutex);  // keeps each live socket open
-    for (const auto& stream : link.streams)
-      if (stream->socket)
-        if (const std::optional<PathSample> sample = read_path_sample(stream->socket->fd())) {
-          samples.emplace_back(stream->index, *sample);
-          if (auto_congestion_) switch_on_loss(link, *sample, *stream);
-          segments += sample->segments_sent;
-          retransmits += sample->retransmits;
-          loss_based = loss_based || stream->loss_based;
-        }
-  }
   uint32_t wanted = 0;
   {
-    std::lock_guard<std::mutex> lock(link.path_mutex);
+    // One reader at a time, stamped after its reading: readings taken by two threads and
+    // handed over in the other order would go back in time, and a counter that seems to
+    // go back reads as a reconnect whose bytes then count twice.
+    std::lock_guard<std::mutex> path_lock(link.path_mutex);
+    if (now_ns() - link.last_path_sample_ns < kPathSampleIntervalNs) return;
+    // Counters read apart would add up to rates the path never had.
+    std::vector<std::pair<uint32_t, PathSample>> samples;
+    uint64_t segments = 0, retransmits = 0;
+    bool loss_based = false;
+    {
+      std::lock_guard<std::mutex> lock(link.mutex);  // keeps each live socket open
+      for (const auto& stream : link.streams)
+        if (stream->socket)
+          if (const std::optional<PathSample> sample = read_path_sample(stream->socket->fd())) {
+            samples.emplace_back(stream->index, *sample);
+            if (auto_congestion_) switch_on_loss(link, *sample, *stream);
+            segments += sample->segments_sent;
+            retransmits += sample->retransmits;
+            loss_based = loss_based || stream->loss_based;
+          }
+    }
+    const int64_t now = now_ns();
+    link.last_path_sample_ns = now;
     link.delivery.observe(samples, now);
     if (link.pacer)
       for (const auto& [index, sample] : samples) link.pacer->observe(index, sample, now);

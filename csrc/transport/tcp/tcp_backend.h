@@ -72,9 +72,10 @@ class TcpBackend final : public TransferBackend {
     std::string dead_reason;  // set once every stream gave up
     bool lossy = false;               // "auto": a connection saw loss; every connection runs bbr
     uint32_t congestion_switches = 0;  // "auto": live connections switched to bbr on loss
-    // What the kernel measures on the streams, read together (the three under path_mutex):
-    // with queue_delay_target_s a pacer paces this peer's bulk data to the path; the
-    // meter measures the path's rate for stats().
+    // What the kernel measures on the streams, read together (the three under path_mutex,
+    // which observe_path holds while it takes `mutex` to read them: never the other way
+    // round): with queue_delay_target_s a pacer paces this peer's bulk data to the path;
+    // the meter measures the path's rate for stats().
     std::unique_ptr<DelayPacer> pacer;
     DeliveryMeter delivery;
     std::mutex path_mutex;
