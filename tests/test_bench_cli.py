@@ -52,6 +52,8 @@ def _expected_rows(cases: dict) -> dict:
         copy_gbps = p["total_bytes"] / p["copy_s"] / 1e9
         expected["pack", f"pack {tag}"] = (p["total_bytes"] / p["pack_s"] / 1e9, copy_gbps)
         expected["pack", f"unpack {tag}"] = (p["total_bytes"] / p["unpack_s"] / 1e9, copy_gbps)
+        expected["pack", f"pack pool order {tag}"] = (p["total_bytes"] / p["pool_pack_s"] / 1e9, copy_gbps)
+        expected["pack", f"unpack pool order {tag}"] = (p["total_bytes"] / p["pool_unpack_s"] / 1e9, copy_gbps)
     for p in cases["radix"]["points"]:
         n = p["requests"]
         expected["radix", f"match, page {p['page_size']}"] = (n / p["radix_match_s"], n / p["chain_match_s"])

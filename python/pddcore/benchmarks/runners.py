@@ -60,6 +60,8 @@ def case_pack(quick: bool, backend: str) -> CaseOutput:
         tag = f"{r.label}, {r.threads} thr"
         rows.append(Row("pack", f"pack {tag}", r.pack_gbps, "copy_", r.copy_gbps, "GB/s"))
         rows.append(Row("pack", f"unpack {tag}", r.unpack_gbps, "copy_", r.copy_gbps, "GB/s"))
+        rows.append(Row("pack", f"pack pool order {tag}", r.pool_pack_gbps, "copy_", r.copy_gbps, "GB/s"))
+        rows.append(Row("pack", f"unpack pool order {tag}", r.pool_unpack_gbps, "copy_", r.copy_gbps, "GB/s"))
     return CaseOutput({"points": [r.as_dict() for r in results]}, pack_cases.format_table(results), rows)
 
 
@@ -135,8 +137,16 @@ def case_wan(quick: bool, backend: str) -> CaseOutput:
     rate = "200mbit" if quick else "1gbit"
     tcp = _in_fresh_process(wan_cases.bulk_tcp, rate, r.rtt_ms / 2, seconds=3.0 if quick else 6.0)
     line = _in_fresh_process(wan_cases.delay_line_capacity, 1500, seconds=2.0 if quick else 3.0)
+    # The short-transfer row at full size either way: 256 MiB at 1 Gbit/s, 50 ms.
+    fk = _in_fresh_process(transfer_cases.fresh_and_kept, "1gbit", 25, 256 << 20, rounds=3)
     rows = [Row("wan", f"engine goodput {r.rate_bps / 1e9:.1f} Gbit/s RTT {r.rtt_ms:.0f} ms", r.goodput_gbps,
                 "line rate", r.rate_bps / 1e9, "Gbit/s"),
+            Row("wan", "same writes again, kept connections", r.kept_goodput_gbps, "line rate", r.rate_bps / 1e9,
+                "Gbit/s"),
+            Row("wan", f"{fk.nbytes >> 20} MiB, {fk.rtt_ms:.0f} ms, fresh connections", fk.fresh_gbps, "line rate",
+                fk.rate_bps / 1e9, "Gbit/s"),
+            Row("wan", f"{fk.nbytes >> 20} MiB, {fk.rtt_ms:.0f} ms, kept connections", fk.kept_gbps, "line rate",
+                fk.rate_bps / 1e9, "Gbit/s"),
             Row("wan", "plain TCP stream, steady state", tcp.steady_gbps, "line rate", r.rate_bps / 1e9, "Gbit/s"),
             Row("wan", "priority msg one-way, under bulk", r.loaded_latency_ms, "idle link", r.idle_latency_ms, "ms"),
             Row("wan", "priority msg one-way, under paced bulk", r.paced_latency_ms, "idle link", r.idle_latency_ms,
@@ -147,8 +157,10 @@ def case_wan(quick: bool, backend: str) -> CaseOutput:
                 r.idle_latency_ms, "ms"),
             Row("wan", "delay line packets/s per core, MTU 1500", line.pps_per_core, "needed for 1 Gbit/s",
                 line.pps_needed_1g, "pkt/s")]
-    return CaseOutput({"engine": r.as_dict(), "plain_tcp": tcp.as_dict(), "delay_line": line.as_dict()},
-                      transfer_cases.format_wan(r) + f"\nplain TCP stream: {tcp.steady_gbps:.3f} Gbit/s steady "
+    return CaseOutput({"engine": r.as_dict(), "fresh_and_kept": fk.as_dict(), "plain_tcp": tcp.as_dict(),
+                       "delay_line": line.as_dict()},
+                      transfer_cases.format_wan(r) + "\n" + transfer_cases.format_fresh_kept(fk)
+                      + f"\nplain TCP stream: {tcp.steady_gbps:.3f} Gbit/s steady "
                       f"= {tcp.ratio:.3f}x line rate\ndelay line, MTU 1500: {line.pps_per_core / 1e3:.0f} kpps "
                       f"per core = {line.ratio_1g:.2f}x the rate 1 Gbit/s needs", rows)
 

@@ -296,9 +296,9 @@ def desc_address(descriptor: bytes) -> str:
 # ---- WAN --------------------------------------------------------------------------------
 
 
-def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, chunk_bytes: int,
+def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int | str, chunk_bytes: int,
                   probes: int, probe_gap_s: float, pace_bps: float, queue_delay_target_s: float,
-                  settle_s: float) -> dict:
+                  settle_s: float, kept_idle_s: float = 2.0) -> dict:
     """Sender side of :func:`wan_case`; runs inside namespace a."""
     import numpy as np
 
@@ -350,6 +350,13 @@ def engine_source(info_path: str, nbytes: int, piece_bytes: int, streams: int, c
             t.wait()
         out["seconds"] = time.perf_counter() - start
         out["peer_stats"] = engine.stats()["peers"][peer.address]
+        # The same writes again on the connections the first ones warmed, after an idle
+        # pause: what a peer the engine keeps connected gets (no slow start).
+        time.sleep(kept_idle_s)
+        start = time.perf_counter()
+        for t in bulk(engine, peer, region):
+            t.wait()
+        out["kept_seconds"] = time.perf_counter() - start
         probe(engine, peer, 0, None)
         loaded(engine, 1)
     drain_link()
@@ -381,8 +388,8 @@ class WanResult(Result):
     rtt_ms: float
     nbytes: int
     piece_bytes: int
-    streams: int
-    goodput_gbps: float
+    streams: int | str
+    goodput_gbps: float  # the first writes, on freshly opened connections
     idle_latency_ms: float
     loaded_latency_ms: float
     paced_latency_ms: float
@@ -394,11 +401,17 @@ class WanResult(Result):
     auto_latency_ms: float
     auto_paced_gbps: float  # the engine pacer's rate mid-transfer
     auto_queue_delay_ms: float  # the queueing delay it measured then
+    kept_goodput_gbps: float = 0.0  # the same writes again on the connections kept from the first
+    streams_used: int = 0  # data connections the engine ran (streams="auto" chooses)
     latencies_ms: dict = field(default_factory=dict)
 
     @property
     def ratio_to_line_rate(self) -> float:
         return self.goodput_gbps * 1e9 / self.rate_bps
+
+    @property
+    def kept_ratio_to_line_rate(self) -> float:
+        return self.kept_goodput_gbps * 1e9 / self.rate_bps
 
     @property
     def auto_ratio_to_line_rate(self) -> float:
@@ -418,7 +431,7 @@ class WanResult(Result):
 
 
 def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30, piece_bytes: int = 64 << 10,
-             streams: int = 4, chunk_bytes: int = 1 << 20, probes: int = 20, pace_fraction: float = 0.9,
+             streams: int | str = 4, chunk_bytes: int = 1 << 20, probes: int = 20, pace_fraction: float = 0.9,
              queue_delay_target_s: float = 0.002, settle_s: float = 3.0) -> WanResult:
     from ..testing.wan import WanLink
 
@@ -438,7 +451,93 @@ def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30,
                      sent["peer_stats"]["rtt_s"] * 1000, queue_delay_target_s * 1000,
                      nbytes * 8 / sent["auto_seconds"] / 1e9, med[3],
                      sent["auto_stats"].get("paced_bps", 0.0) / 1e9, sent["auto_stats"].get("queue_delay_s", 0.0) * 1000,
+                     nbytes * 8 / sent["kept_seconds"] / 1e9, int(sent["peer_stats"].get("streams", 0)),
                      {str(k): v for k, v in lat.items()})
+
+
+def fresh_and_kept_source(info_path: str, nbytes: int, piece_bytes: int, streams: int | str, rounds: int,
+                          idle_s: float) -> list[tuple[float, float, int]]:
+    """Sender side of :func:`fresh_and_kept`; runs inside namespace a."""
+    import numpy as np
+
+    from pddcore.transfer import TransferEngine
+
+    desc = bytes.fromhex(read_info(info_path))
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    pages = nbytes // piece_bytes
+    order = list(range(pages))
+    random.Random(1).shuffle(order)
+
+    def bulk_seconds(engine, peer, region) -> float:
+        start = time.perf_counter()
+        transfers = [engine.write_batch(peer, [(region, i * piece_bytes, desc, order[i] * piece_bytes, piece_bytes)
+                                               for i in range(b, min(b + 1024, pages))])
+                     for b in range(0, pages, 1024)]
+        for t in transfers:
+            t.wait()
+        return time.perf_counter() - start
+
+    out = []
+    for _ in range(rounds):
+        with TransferEngine(streams=streams, auth_token=bench_token()) as engine:
+            region = engine.register(data)
+            peer = engine.connect(desc_address(desc))
+            engine.write(peer, region, 0, desc, 0, piece_bytes).wait()  # dials the streams
+            fresh = bulk_seconds(engine, peer, region)
+            time.sleep(idle_s)
+            kept = bulk_seconds(engine, peer, region)
+            out.append((fresh, kept, int(engine.stats()["peers"][peer.address].get("streams", 0))))
+        time.sleep(idle_s)  # the closed connections' last bytes leave the bottleneck
+    return out
+
+
+@dataclass
+class FreshKeptResult(Result):
+    rate_bps: int
+    rtt_ms: float
+    nbytes: int
+    piece_bytes: int
+    streams: int | str
+    rounds: int
+    fresh_gbps: float  # median: a new engine's first write, on connections it just opened
+    kept_gbps: float  # median: the same write again after an idle pause, on the same connections
+    streams_used: int  # data connections the engine ran by the end (streams="auto" chooses)
+
+    @property
+    def fresh_ratio(self) -> float:
+        return self.fresh_gbps * 1e9 / self.rate_bps
+
+    @property
+    def kept_ratio(self) -> float:
+        return self.kept_gbps * 1e9 / self.rate_bps
+
+
+def fresh_and_kept(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 256 << 20, piece_bytes: int = 64 << 10,
+                   streams: int | str = "auto", rounds: int = 3, idle_s: float = 2.0) -> FreshKeptResult:
+    """Through :class:`~pddcore.testing.wan.WanLink`: per round, a new engine writes
+    ``nbytes`` as scattered ``piece_bytes`` pieces on freshly opened connections (slow
+    start included), then, after ``idle_s``, the same writes on the connections it kept.
+    Medians of ``rounds``; ratios to the line rate."""
+    from ..testing.wan import WanLink
+
+    with WanLink(rate=rate, delay_ms=delay_ms) as link, tempfile.TemporaryDirectory() as tmp:
+        info = os.path.join(tmp, "engine")
+        sink = link.b.spawn(engine_sink, f"{link.b.address}:9300", nbytes, info)
+        try:
+            runs = link.a.call(fresh_and_kept_source, info, nbytes, piece_bytes, streams, rounds, idle_s, timeout=600)
+        finally:
+            sink.kill()
+        rate_bps = link.rate_bps
+    return FreshKeptResult(rate_bps, 2 * delay_ms, nbytes, piece_bytes, streams, rounds,
+                           statistics.median(nbytes * 8 / f / 1e9 for f, _, _ in runs),
+                           statistics.median(nbytes * 8 / k / 1e9 for _, k, _ in runs), runs[-1][2])
+
+
+def format_fresh_kept(r: FreshKeptResult) -> str:
+    return (f"{r.rate_bps / 1e9:.1f} Gbit/s, RTT {r.rtt_ms:.0f} ms, {r.nbytes >> 20} MiB as {r.piece_bytes >> 10} KiB "
+            f"pieces, streams={r.streams} ({r.streams_used} ran), medians of {r.rounds}: first write on fresh "
+            f"connections {r.fresh_gbps:.3f} Gbit/s = {r.fresh_ratio:.3f}x line rate; again on the kept ones "
+            f"{r.kept_gbps:.3f} Gbit/s = {r.kept_ratio:.3f}x")
 
 
 def format_loopback(results: list[LoopbackResult]) -> str:
@@ -452,8 +551,9 @@ def format_loopback(results: list[LoopbackResult]) -> str:
 def format_wan(r: WanResult) -> str:
     d = r.as_dict()
     return (f"{r.rate_bps / 1e9:.1f} Gbit/s, RTT {r.rtt_ms:.0f} ms, {r.nbytes >> 20} MiB as {r.piece_bytes >> 10} KiB "
-            f"pieces, {r.streams} streams: goodput {r.goodput_gbps:.3f} Gbit/s = {d['ratio_to_line_rate']:.3f}x line "
-            f"rate; priority one-way latency idle {r.idle_latency_ms:.2f} ms, under bulk {r.loaded_latency_ms:.2f} ms "
+            f"pieces, streams={r.streams} ({r.streams_used} ran): goodput on fresh connections {r.goodput_gbps:.3f} "
+            f"Gbit/s = {d['ratio_to_line_rate']:.3f}x line rate, again on the kept ones {r.kept_goodput_gbps:.3f} "
+            f"Gbit/s = {d['kept_ratio_to_line_rate']:.3f}x; priority one-way latency idle {r.idle_latency_ms:.2f} ms, under bulk {r.loaded_latency_ms:.2f} ms "
             f"({d['loaded_over_idle']:.2f}x), under bulk paced at {r.pace_bps / 1e9:.2f} Gbit/s "
             f"{r.paced_latency_ms:.2f} ms ({d['paced_over_idle']:.2f}x); self-paced to a "
             f"{r.queue_delay_target_ms:g} ms queue: goodput {r.auto_goodput_gbps:.3f} Gbit/s = "
