@@ -1278,7 +1278,7 @@ def test_generation_end_to_end_on_gpu(tmp_path, enforce_eager, push):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         consumer_port = sock.getsockname()[1]
-    extra = {"auth_token": "gpu-test-token-7c3a9e5d1b8f20461", "host": "127.0.0.1"}
+    extra = {"auth_token": "gpu-test-token-7c3a9e5d1b8f20461", "host": "127.0.0.1", "staging_bytes": 64 << 20}
     transfer = dict(kv_connector="PDDConnector", kv_connector_module_path="pddcore.integrations.vllm")
     prompt = {"prompt_token_ids": list(range(3, 83))}
     baseline = LLM(**common).generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]

@@ -18,7 +18,7 @@ Where the arena lives follows the KV pool and the transfer backend:
   registered by address so the NIC reads and writes it without a host copy.
 
 A buffer takes its size rounded up to a size class (64 KiB at least, then at most 1/8 above
-the size asked), so the arena holds at least ``capacity_bytes / 1.125`` bytes of requests.
+the size asked), so requests of 64 KiB and more use at least 8/9 of the bytes they hold.
 
 Example::
 
@@ -68,7 +68,7 @@ class StagingBuffer:
 
 def _size_class(nbytes: int) -> int:
     n = max(nbytes, _MIN_CLASS_BYTES)
-    step = 1 << max(16, (n - 1).bit_length() - 3)
+    step = 1 << max(13, (n - 1).bit_length() - 4)  # at most n / 8: 2^(b-4) < n / 8 for 2^(b-1) < n
     return -(-n // step) * step
 
 
