@@ -111,6 +111,18 @@ def test_pdd_routes_and_hands_off(demo):
         assert _roles(r).index("M") == at
 
 
+def test_the_wan_estimate_comes_from_the_engines_counters(demo):
+    """Across the emulated WAN the path sets P's pace to MD: the gateway's estimate of that
+    link rests on P's transfer counters (path-limited bytes and time, RTT), not on timing
+    MD's pulls, and it is within the link's rate."""
+    for mode in ("pd", "pdd"):
+        (link,) = demo["runs"][mode]["links"].values()
+        assert link["source"] == "engine counters", (mode, link)
+        assert link["samples"] >= 1 and link["rtt_s"] > 0
+        if os.geteuid() == 0:  # the kernel emulator's tbf: the estimate cannot beat its rate
+            assert link["bytes_per_s"] <= LINK["bandwidth_bps"] / 8 * 1.05, (mode, link)
+
+
 def test_measurements_add_up_to_the_tokens_and_contexts(demo):
     """What the engines and the gateway measured matches what the client saw: every token
     MD sent, except each request's first one there (sampled after its prefetch or extend

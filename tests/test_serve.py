@@ -325,3 +325,13 @@ def test_the_gateway_across_the_emulated_wan():
     assert r.modes["pd"]["routes"] == {"P_MD": 3}
     assert r.modes["pdd"]["routes"] == {"P_RLD_MD": 1, "P_MD": 2}, r.modes["pdd"]
     assert r.modes["pd"]["wan_kv_bytes"] > 0 and "identical tokens: True" in format_table(r)
+
+
+def test_link_counters_of_several_prefill_engines_add_up():
+    from pddcore.serve.link_stats import _add
+
+    total: dict = {}
+    _add(total, {"path_limited_bytes": 3e6, "path_limited_seconds": 0.5, "rtt_s": 0.0, "bytes_sent": 4e6})
+    _add(total, {"path_limited_bytes": 1e6, "path_limited_seconds": 0.25, "rtt_s": 0.05})
+    _add(total, {"path_limited_bytes": 0.0, "path_limited_seconds": 0.0, "rtt_s": 0.04})
+    assert total == {"path_limited_bytes": 4e6, "path_limited_seconds": 0.75, "bytes_sent": 4e6, "rtt_s": 0.04}

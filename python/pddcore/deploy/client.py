@@ -4,8 +4,8 @@ greedy), closed-loop per session: a turn is sent ``think_s`` after the previous 
 ended, its context being the previous context plus that answer plus the next user tokens.
 
 It records when every token arrived and each request's gateway trace
-(``/pdd/requests/{id}``), and at the end the gateway's ``/metrics`` and the engines'
-``/pdd/timings`` (only the model passes the trace caused). Everything goes to
+(``/pdd/requests/{id}``), and at the end the gateway's ``/metrics`` and WAN estimates
+(``/pdd/links``) and the engines' ``/pdd/timings`` (only the model passes the trace caused). Everything goes to
 ``CONFIG["results"]`` (JSON). On stdout it reports progress, one JSON line each: ``{"done":
 n}`` per finished request and ``{"md_tokens": n}`` as MD's delivered tokens grow (the
 supervisor's fault injection waits for those).
@@ -127,9 +127,11 @@ async def play(config: dict) -> dict:
         wall_s = time.monotonic() - t0
         async with http.get(url + "/metrics") as resp:
             metrics = await resp.text()
+        async with http.get(url + "/pdd/links") as resp:
+            links = await resp.json()
         after = await _timings(http, engines)
     return {"requests": sorted(records, key=lambda r: r["rid"]), "wall_s": wall_s, "metrics": metrics,
-            "timings": {role: _since(before[role], after[role]) for role in engines}}
+            "links": links, "timings": {role: _since(before[role], after[role]) for role in engines}}
 
 
 def main(argv: list[str]) -> int:

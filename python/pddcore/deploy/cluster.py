@@ -69,12 +69,14 @@ class RunConfig:
 @dataclass
 class RunResult:
     """``requests``: what the client recorded per request, with the gateway's trace of it;
-    ``metrics``: the gateway's Prometheus text at the end; ``timings``: each engine's model
-    passes during the trace (``/pdd/timings``; None for an engine that was gone)."""
+    ``metrics``: the gateway's Prometheus text at the end; ``links``: its WAN estimate
+    toward each MD at the end and where it came from (``/pdd/links``); ``timings``: each
+    engine's model passes during the trace (``/pdd/timings``; None for an engine that was gone)."""
 
     mode: str
     requests: list[dict]
     metrics: str
+    links: dict
     timings: dict
     wall_s: float
     md_killed: bool = False
@@ -107,8 +109,8 @@ def run_deployment(config: RunConfig, scenario: Scenario, network: Network,
         md_killed = _supervise(config, client, servers, on_progress)
         with open(paths["results"]) as f:
             results = json.load(f)
-        return RunResult(config.mode, results["requests"], results["metrics"], results["timings"],
-                         results["wall_s"], md_killed)
+        return RunResult(config.mode, results["requests"], results["metrics"], results["links"],
+                         results["timings"], results["wall_s"], md_killed)
 
 
 class _Servers:

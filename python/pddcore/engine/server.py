@@ -6,7 +6,8 @@ drives, over :class:`.scheduler.Scheduler` (aiohttp).
 * ``POST /v1/completions`` and ``/v1/chat/completions`` — OpenAI, with vLLM's
   ``return_token_ids`` and ``kv_transfer_params``;
 * ``POST /tokenize``, ``/detokenize``, ``/inference/v1/abort_requests``;
-* ``GET /v1/models``, ``/health``, ``/pdd/state`` (counters, JSON), ``/pdd/timings`` (the
+* ``GET /v1/models``, ``/health``, ``/pdd/state`` (counters, and the transfer engine's per-peer
+  counters under ``transfer_peers``), ``/pdd/timings`` (the
   latest decode steps and extend passes: seconds and batch or tokens), ``/pdd/info``
   (page size and KV bytes per token, for a gateway's router).
 
@@ -272,7 +273,8 @@ class EngineServer:
         return web.Response()
 
     async def state(self, _: web.Request) -> web.Response:
-        return web.json_response({"role": self.role, **self.scheduler.state()})
+        return web.json_response({"role": self.role, **self.scheduler.state(),
+                                  "transfer_peers": self.scheduler.transfer.stats()["peers"]})
 
     async def timings(self, _: web.Request) -> web.Response:
         return web.json_response(self.scheduler.timings())
@@ -281,7 +283,7 @@ class EngineServer:
         layout = self.scheduler.pool.layout()
         return web.json_response({"role": self.role, "page_size": self.scheduler.pool.page_size,
                                   "kv_bytes_per_token": layout.bytes_per_token(),
-                                  "transfer_address": self.scheduler.transfer.address})
+                                  "transfer_address": self.scheduler.consumer.advertise})
 
 
 async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:

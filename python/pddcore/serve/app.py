@@ -40,7 +40,8 @@ class GatewayApp:
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
-                        web.get("/metrics", self.metrics), web.get("/pdd/requests/{rid}", self.trace)])
+                        web.get("/metrics", self.metrics), web.get("/pdd/requests/{rid}", self.trace),
+                        web.get("/pdd/links", self.links)])
         app.on_cleanup.append(lambda _: self.gateway.close())
         return app
 
@@ -160,6 +161,16 @@ class GatewayApp:
         if trace is None:
             return _error(404, "no such request among the latest ones")
         return web.json_response(dataclasses.asdict(trace))
+
+    async def links(self, _: web.Request) -> web.Response:
+        """The WAN estimate toward each MD, and where it comes from."""
+        gw = self.gateway
+        out = {}
+        for md in gw.main:
+            link = gw.estimator.estimate(md.url)
+            out[md.url] = {"bytes_per_s": link.bytes_per_s, "rtt_s": link.rtt_s, "samples": link.samples,
+                           "source": gw.link_source(md.url)}
+        return web.json_response(out)
 
     async def metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=self.gateway.metrics.exposition(),

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wan-mbps", type=float, default=10000.0,
                         help="prior WAN bandwidth in Mbit/s until transfers are measured (default 10000)")
     parser.add_argument("--wan-rtt-ms", type=float, default=20.0, help="prior WAN RTT in ms (default 20)")
+    parser.add_argument("--link-poll-s", type=float, default=1.0,
+                        help="with --engine reference: how often to read P's transfer counters for the WAN estimate "
+                             "(default 1)")
     parser.add_argument("--prefetch-timeout-s", type=float, default=60.0,
                         help="an MD pull taking longer leaves the request on RLD (default 60)")
     parser.add_argument("--connect-timeout-s", type=float, default=5.0, help="engine connect timeout (default 5)")

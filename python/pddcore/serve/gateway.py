@@ -118,6 +118,7 @@ class Gateway:
                                             prior_rtt_s=config.prior_wan_rtt_s)
         self.index = PrefixIndex(config.page_size, config.md_cache_tokens)
         self.traces: dict[str, RequestTrace] = {}
+        self.counted_links: set[str] = set()  # MD URLs whose link estimate comes from engine counters
         self._background: set[asyncio.Task] = set()
 
     def rld_load(self) -> float:
@@ -137,6 +138,13 @@ class Gateway:
             self.traces.pop(next(iter(self.traces)))
         async for ids in run.tokens():
             yield ids
+
+    def link_source(self, md_url: str) -> str:
+        """Where the WAN estimate of the link to ``md_url`` comes from: the engines' transfer
+        counters (:mod:`.link_stats`), timed MD pulls, or the configured prior."""
+        if md_url in self.counted_links:
+            return "engine counters"
+        return "timed pulls" if self.estimator.estimate(md_url).samples else "prior"
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -304,7 +312,7 @@ class _Run:
         # request to P. The rate is the bulk's; only pulls of 1 MiB or more count (estimator).
         link = self.gw.estimator.estimate(self.md.url)
         bulk_s = time.monotonic() - started - 2 * link.rtt_s
-        if bulk_s > 0:
+        if bulk_s > 0 and self.md.url not in self.gw.counted_links:
             self.gw.estimator.observe(self.md.url, nbytes, bulk_s)
         self.gw.index.record(self.md, self.prompt)
 

@@ -13,6 +13,7 @@ from aiohttp import web
 from ..handoff import HandoffPolicy
 from .app import GatewayApp
 from .gateway import Gateway, GatewayConfig
+from .link_stats import LinkFollower
 from .upstream import Upstream, UpstreamError
 
 __all__ = ["serve_gateway"]
@@ -45,6 +46,8 @@ async def serve_gateway(args: argparse.Namespace, *, api_key: str | None = None)
                                prefetch_timeout_s=args.prefetch_timeout_s, md_cache_tokens=args.md_cache_tokens,
                                policy=HandoffPolicy(catch_up_threshold=args.catch_up_threshold))
         gateway = Gateway(prefill, relay, main, config)
+        if args.engine == "reference":  # engines that serve their transfer counters
+            gateway.keep_running(LinkFollower(gateway, args.link_poll_s).run())
         runner = web.AppRunner(GatewayApp(gateway, model_name=args.served_model_name).app(),
                                handler_cancellation=True, access_log=None)
         await runner.setup()
