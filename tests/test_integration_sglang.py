@@ -495,6 +495,23 @@ def test_malformed_messages_fail_only_the_room_they_name(pair):
     assert torch.equal(got[:, [4, 8]], pair.pages()[:, [2, 6]])
 
 
+def test_an_unread_notice_to_a_rank_that_is_read_fails_its_room(pair):
+    """``unread`` tells an MLA prefill rank that no decode rank reads it; sent to a rank that is
+    read (here an MHA prefill), it fails that room with the reason instead of leaving the
+    decode side without its KV."""
+    sender = pdd.PDDKVSender(pair.prefill, pair.addr, 33)
+    rogue = TransferEngine(listen="127.0.0.1:0")
+    try:
+        rogue.send(rogue.connect(pair.prefill.engine.address),
+                   pdd._encode("unread", room=33, d_rank=0, d_tp=1, num_pages=2, decode_prefix_len=0))
+        _wait(lambda: sender.poll() == KVPoll.Failed)
+        with pytest.raises(pdd.PDDTransferError, match="says no decode rank reads prefill rank 0"):
+            sender.failure_exception()
+    finally:
+        rogue.close()
+        sender.clear()
+
+
 def test_forged_chunk_notice_is_ignored(pair):
     """A well-formed "last chunk" notice for a live room from an engine that is not the room's
     prefill rank does not complete it: the receiver waits for the real chunk, whose bytes land."""
