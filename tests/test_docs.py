@@ -381,8 +381,6 @@ def runnable_script(blocks: list[CodeBlock]) -> tuple[str, list[str]]:
 PYTHON_PAGES = [page for page in PAGES if code_blocks(page, ("python",))]
 # Pages whose blocks are still sketches (names they never define), with who makes them run.
 # strict: the mark fails the run once the page runs, so it cannot outlive the sketches.
-_SKETCHES = {"transfer.md": "docs/transfer.md's blocks use names they never define (send_to_prefill, "
-                            "p_engine, writes_of); its owner makes them run (issue 26)"}
 SHELL_PAGES = [page for page in PAGES if code_blocks(page, ("bash", "sh"))]
 
 
@@ -390,9 +388,7 @@ def test_pages_have_python_to_run():
     assert README in PYTHON_PAGES and len(PYTHON_PAGES) > 1, [p.name for p in PYTHON_PAGES]
 
 
-@pytest.mark.parametrize("page", [
-    pytest.param(page, marks=pytest.mark.xfail(strict=True, reason=_SKETCHES[page.name]))
-    if page.name in _SKETCHES else page for page in PYTHON_PAGES], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda p: p.name)
 def test_python_blocks_run(page, tmp_path):
     script, left_out = runnable_script(code_blocks(page, ("python",)))
     if not script:
