@@ -10,6 +10,7 @@ import hashlib
 import socket
 import ssl
 import struct
+import threading
 
 import pytest
 
@@ -18,8 +19,8 @@ from pddcore.cli import main as pddcore_main
 from pddcore.transfer import TransferEngine, TransferError, engine_id_for_name
 
 from test_transfer_security import FENCE_ACK, FENCED, fence_reply, wait_until
-from test_transfer_tcp import _ACK, _CHALLENGE, _HELLO, HELLO_MAGIC, TOKEN, WIRE_VERSION, _recv_exact, chunk_frame, \
-    python_handshake
+from test_transfer_tcp import _ACK, _CHALLENGE, _HELLO, _RESULT, HELLO_MAGIC, TOKEN, WIRE_VERSION, _recv_exact, \
+    chunk_frame, python_handshake
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,36 @@ def test_a_peer_cannot_fence_or_notify_as_another_engine(pki):
             got = []
             wait_until(lambda: got.extend(md.poll_messages(timeout=0.2)) or got)
             assert [m.sender_engine_id for m in got] == [attacker_id]
+
+
+def test_a_client_refuses_a_server_stating_an_id_its_certificate_does_not_name(pki):
+    """A server holding the "md" certificate (Python's ssl, mutual TLS against the same CA)
+    whose Result states the victim's engine id: the client refuses it."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(pki["md"].ca)
+    context.load_cert_chain(pki["md"].cert, pki["md"].key)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with context.wrap_socket(conn, server_side=True) as tls:
+            _recv_exact(tls, _HELLO.size)
+            tls.sendall(_CHALLENGE.pack(HELLO_MAGIC, WIRE_VERSION, 0, b"\2" * 16))
+            _recv_exact(tls, 32)
+            tls.sendall(_RESULT.pack(0, engine_id_for_name("victim"), b"\0" * 32, b"\0" * 96))
+            tls.recv(1)  # until the client hangs up
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with TransferEngine(timeout_s=5, **pki["attacker"].engine_kwargs()) as client:
+            with pytest.raises(TransferError, match="states an engine id its certificate does not name"):
+                client.connect(f"127.0.0.1:{listener.getsockname()[1]}")
+    finally:
+        server.join(10)
+        listener.close()
 
 
 def test_certificates_from_another_ca_are_refused_both_ways(pki):
