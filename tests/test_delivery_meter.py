@@ -41,13 +41,14 @@ def test_bulk_write_on_loopback_is_path_limited_and_idle_time_is_not():
     # Connected but nothing sent: nothing measured.
     assert (connected["path_limited_bytes"], connected["path_limited_seconds"]) == (0, 0), connected
     # 64 MiB keep every connection's window full for a while: the path set the pace then,
-    # for no longer than the write took, and faster than the write's average (which also
-    # holds its start-up and its last round trip).
+    # for no longer than the write took, at about the write's average (on loopback its
+    # start-up and last round trip take microseconds; what is left out of the count at
+    # its edges moves the two apart by a few percent either way).
     assert 0 < written["path_limited_seconds"] <= written["seconds_busy"], written
     # The bytes it counts were sent: summed rate samples once read 10-20x more on loopback.
     assert 0 < written["path_limited_bytes"] <= written["bytes_sent"], written
     limited_rate = written["path_limited_bytes"] / written["path_limited_seconds"]
-    assert limited_rate >= written["bytes_sent"] / written["seconds_busy"], written
+    assert limited_rate >= 0.8 * written["bytes_sent"] / written["seconds_busy"], written
     # Idle connections deliver nothing: the counters stand still.
     assert (idle["path_limited_bytes"], idle["path_limited_seconds"]) == (
         written["path_limited_bytes"], written["path_limited_seconds"]), (written, idle)

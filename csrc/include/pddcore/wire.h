@@ -222,9 +222,13 @@ struct Result {
 // the destination region; payload_crc covers it, header_crc covers the fields before it.
 // With kCrcTrailer in flags, payload_crc is 0 and the payload's CRC32C follows the
 // payload (4 bytes): a sender can then checksum each slice just before it leaves, while
-// the slice is still in cache, instead of reading the whole chunk twice.
+// the slice is still in cache, instead of reading the whole chunk twice. With kWarmup the
+// payload is padding that brings a fresh connection out of slow start before any data is
+// queued, its CRC32C in the header (never a trailer): the receiver checks and drops it (no
+// region, no transfer) and acks it.
 struct ChunkHeader {
   static constexpr uint16_t kCrcTrailer = 1;
+  static constexpr uint16_t kWarmup = 2;
   static constexpr size_t kTrailerSize = 4;
   static constexpr size_t kSize = 48;
   static constexpr size_t kCrcCovered = 44;
@@ -256,7 +260,7 @@ struct ChunkHeader {
     transfer_tag = r.get<uint32_t>();
     const uint32_t header_crc = r.get<uint32_t>();
     if (magic != kChunkMagic || version != kVersion || header_crc != crc32c(in, kCrcCovered) ||
-        (flags & ~kCrcTrailer) != 0)
+        (flags & ~(kCrcTrailer | kWarmup)) != 0 || flags == (kCrcTrailer | kWarmup))
       return AckStatus::kBadHeader;
     if (length > kMaxChunkBytes) return AckStatus::kTooLarge;
     return AckStatus::kOk;

@@ -14,6 +14,7 @@
 #include "path_sample.h"
 #include "pddcore/crc32c.h"
 #include "stream_choice.h"
+#include "warmup.h"
 
 namespace pddcore::transfer::tcp {
 
@@ -33,6 +34,8 @@ constexpr double kPacedBurstS = 0.001;
 // One sendmsg carries up to this many small chunks, checksummed just before it.
 constexpr size_t kMaxBatchChunks = 16;
 constexpr uint64_t kMaxBatchBytes = kCrcPiece;
+// Padding goes out this much per frame (a warm-up frame's payload: zeros).
+constexpr size_t kWarmupFrameBytes = 64 << 10;
 // streams="auto" judges the stream count over at least this much path-limited time, and
 // over this many minimum RTTs at least: a rate over a shorter stretch is one burst's.
 constexpr double kJudgeMinS = 0.02;
@@ -265,6 +268,7 @@ bool TcpBackend::run_session(Link& link, Stream& stream, const Socket& socket) {
   }
   std::thread reader([&] { read_acks(link, stream, socket, broken, progressed, reader_error); });
   try {
+    warm_up(link, stream, socket, broken);
     std::vector<Outgoing> batch;
     for (;;) {
       uint64_t batch_bytes = 0;
@@ -427,6 +431,47 @@ void TcpBackend::pace_to_path(Link& link, uint64_t bytes, const std::atomic<bool
   if (wait_ns <= 0) return;
   std::unique_lock<std::mutex> lock(link.mutex);
   link.cv.wait_for(lock, std::chrono::nanoseconds(wait_ns), [&] { return link.stopping || broken.load(); });
+}
+
+void TcpBackend::warm_up(Link& link, Stream& stream, const Socket& socket, const std::atomic<bool>& broken) {
+  const std::optional<PathSample> first = read_path_sample(socket.fd());
+  if (!first || !WarmupJudge::worth_warming(first->min_rtt_s)) return;
+  static const std::vector<uint8_t> zeros(kWarmupFrameBytes, 0);
+  static const uint32_t zeros_crc = crc32c(zeros.data(), zeros.size());
+  bool loss_based;
+  {
+    std::lock_guard<std::mutex> lock(link.mutex);
+    loss_based = stream.loss_based;
+  }
+  WarmupJudge judge(loss_based);
+  uint64_t sent = 0;
+  for (;;) {
+    const std::optional<PathSample> sample = read_path_sample(socket.fd());
+    if (!sample || judge.warm(*sample, now_ns(), sent)) return;
+    // Padding past the congestion window would only wait in the send buffer, and real data
+    // queued behind it: keep about a window of it unacknowledged.
+    const uint64_t acked = sample->bytes_acked - first->bytes_acked;
+    const bool window_full = sent > acked + sample->cwnd_bytes;
+    wire::ChunkHeader header;
+    {
+      std::unique_lock<std::mutex> lock(link.mutex);
+      const auto stop = [&] { return link.stopping || broken || !link.queue.empty(); };
+      if (window_full) link.cv.wait_for(lock, std::chrono::milliseconds(1), stop);
+      if (stop()) return;
+      if (window_full) continue;
+      header.seq = stream.next_seq++;  // never in flight: its ack settles nothing
+    }
+    header.flags = wire::ChunkHeader::kWarmup;
+    header.length = kWarmupFrameBytes;
+    header.payload_crc = zeros_crc;
+    uint8_t head[wire::ChunkHeader::kSize];
+    header.encode(head);
+    iovec iov[2] = {{head, sizeof(head)}, {const_cast<uint8_t*>(zeros.data()), zeros.size()}};
+    socket.sendv_all(iov, 2);
+    sent += kWarmupFrameBytes;
+    std::lock_guard<std::mutex> lock(link.mutex);
+    link.warmup_bytes += kWarmupFrameBytes;
+  }
 }
 
 void TcpBackend::send_chunks(const Socket& socket, const std::vector<Outgoing>& batch) {
@@ -667,6 +712,7 @@ void TcpBackend::add_peer_stats(uint64_t peer_key, std::map<std::string, double>
         }
     if (auto_congestion_) stats["congestion_switches"] += link->congestion_switches;
     stats["streams"] += static_cast<double>(link->streams.size());
+    stats["warmup_bytes"] += static_cast<double>(link->warmup_bytes);
   }
   std::lock_guard<std::mutex> lock(link->path_mutex);
   stats["path_limited_bytes"] += link->delivery.bytes();
@@ -713,6 +759,18 @@ void TcpBackend::serve(const Socket& socket, const PeerInfo& from) {
       acks.add(status, header.seq, 0);
       acks.flush();
       return;
+    }
+    if (header.flags & wire::ChunkHeader::kWarmup) {  // padding: checked, dropped, acked
+      scratch.resize(kCrcPiece);
+      uint32_t crc = 0;
+      for (uint64_t left = header.length; left > 0;) {
+        const size_t n = std::min<uint64_t>(left, scratch.size());
+        socket.recv_all(scratch.data(), n);
+        crc = crc32c(scratch.data(), n, crc);
+        left -= n;
+      }
+      acks.add(crc == header.payload_crc ? wire::AckStatus::kOk : wire::AckStatus::kBadCrc, header.seq, header.length);
+      continue;
     }
     RegionPtr region = host_.find_region(header.region_id);
     if (!region || region->on_device)  // GPU memory is no destination for the CPU's recv

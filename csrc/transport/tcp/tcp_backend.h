@@ -72,6 +72,7 @@ class TcpBackend final : public TransferBackend {
     std::string dead_reason;  // set once every stream gave up
     bool lossy = false;               // "auto": a connection saw loss; every connection runs bbr
     uint32_t congestion_switches = 0;  // "auto": live connections switched to bbr on loss
+    uint64_t warmup_bytes = 0;         // padding sent to warm fresh connections (warmup.h)
     // What the kernel measures on the streams, read together (the three under path_mutex,
     // which observe_path holds while it takes `mutex` to read them: never the other way
     // round): with queue_delay_target_s a pacer paces this peer's bulk data to the path;
@@ -98,6 +99,9 @@ class TcpBackend final : public TransferBackend {
     WriteChunk chunk;
     uint64_t seq;
   };
+  // On a long path with nothing queued, sends padding until the fresh connection is past
+  // its ramp (warmup.h); returns at once when data is queued or the session breaks.
+  void warm_up(Link& link, Stream& stream, const Socket& socket, const std::atomic<bool>& broken);
   // Sends a batch of chunks: small ones in one gather write with the CRC32C in the header,
   // a big one slice by slice with the CRC32C in a trailer (see wire::ChunkHeader).
   void send_chunks(const Socket& socket, const std::vector<Outgoing>& batch);

@@ -456,8 +456,9 @@ def wan_case(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 1 << 30,
 
 
 def fresh_and_kept_source(info_path: str, nbytes: int, piece_bytes: int, streams: int | str, rounds: int,
-                          idle_s: float) -> list[tuple[float, float, int]]:
-    """Sender side of :func:`fresh_and_kept`; runs inside namespace a."""
+                          idle_s: float) -> list[tuple[float, float, int, float]]:
+    """Sender side of :func:`fresh_and_kept`; runs inside namespace a. Per round:
+    (first seconds, kept seconds, streams, warm-up padding bytes)."""
     import numpy as np
 
     from pddcore.transfer import TransferEngine
@@ -477,16 +478,30 @@ def fresh_and_kept_source(info_path: str, nbytes: int, piece_bytes: int, streams
             t.wait()
         return time.perf_counter() - start
 
+    def wait_warm(engine, peer, settled_s: float = 0.3, limit_s: float = 10.0) -> None:
+        # connect() dials the data connections; on a long path they warm up while idle
+        # (padding until past slow start). Wait until the padding stopped growing.
+        last, since, deadline = -1.0, time.monotonic(), time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            stats = engine.stats()["peers"][peer.address]
+            now = time.monotonic()
+            if stats.get("warmup_bytes", 0.0) != last or stats.get("live_streams", 0.0) < stats.get("streams", 1.0):
+                last, since = stats.get("warmup_bytes", 0.0), now
+            elif now - since >= settled_s:
+                return
+            time.sleep(0.05)
+
     out = []
     for _ in range(rounds):
         with TransferEngine(streams=streams, auth_token=bench_token()) as engine:
             region = engine.register(data)
             peer = engine.connect(desc_address(desc))
-            engine.write(peer, region, 0, desc, 0, piece_bytes).wait()  # dials the streams
+            wait_warm(engine, peer)
             fresh = bulk_seconds(engine, peer, region)
             time.sleep(idle_s)
             kept = bulk_seconds(engine, peer, region)
-            out.append((fresh, kept, int(engine.stats()["peers"][peer.address].get("streams", 0))))
+            stats = engine.stats()["peers"][peer.address]
+            out.append((fresh, kept, int(stats.get("streams", 0)), stats.get("warmup_bytes", 0.0)))
         time.sleep(idle_s)  # the closed connections' last bytes leave the bottleneck
     return out
 
@@ -499,9 +514,10 @@ class FreshKeptResult(Result):
     piece_bytes: int
     streams: int | str
     rounds: int
-    fresh_gbps: float  # median: a new engine's first write, on connections it just opened
+    fresh_gbps: float  # median: a new engine's first write, once the connections connect() opened warmed up
     kept_gbps: float  # median: the same write again after an idle pause, on the same connections
     streams_used: int  # data connections the engine ran by the end (streams="auto" chooses)
+    warmup_bytes: float  # median padding the connections sent to warm up (warmup.h)
 
     @property
     def fresh_ratio(self) -> float:
@@ -514,10 +530,11 @@ class FreshKeptResult(Result):
 
 def fresh_and_kept(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 256 << 20, piece_bytes: int = 64 << 10,
                    streams: int | str = "auto", rounds: int = 3, idle_s: float = 2.0) -> FreshKeptResult:
-    """Through :class:`~pddcore.testing.wan.WanLink`: per round, a new engine writes
-    ``nbytes`` as scattered ``piece_bytes`` pieces on freshly opened connections (slow
-    start included), then, after ``idle_s``, the same writes on the connections it kept.
-    Medians of ``rounds``; ratios to the line rate."""
+    """Through :class:`~pddcore.testing.wan.WanLink`: per round, a new engine connects,
+    waits while its fresh connections warm up (they send padding while idle, until past
+    slow start) and writes ``nbytes`` as scattered ``piece_bytes`` pieces; then, after
+    ``idle_s``, the same writes on the connections it kept. Medians of ``rounds``; ratios
+    to the line rate."""
     from ..testing.wan import WanLink
 
     with WanLink(rate=rate, delay_ms=delay_ms) as link, tempfile.TemporaryDirectory() as tmp:
@@ -529,15 +546,16 @@ def fresh_and_kept(rate: str = "1gbit", delay_ms: float = 25.0, nbytes: int = 25
             sink.kill()
         rate_bps = link.rate_bps
     return FreshKeptResult(rate_bps, 2 * delay_ms, nbytes, piece_bytes, streams, rounds,
-                           statistics.median(nbytes * 8 / f / 1e9 for f, _, _ in runs),
-                           statistics.median(nbytes * 8 / k / 1e9 for _, k, _ in runs), runs[-1][2])
+                           statistics.median(nbytes * 8 / f / 1e9 for f, _, _, _ in runs),
+                           statistics.median(nbytes * 8 / k / 1e9 for _, k, _, _ in runs), runs[-1][2],
+                           statistics.median(w for _, _, _, w in runs))
 
 
 def format_fresh_kept(r: FreshKeptResult) -> str:
     return (f"{r.rate_bps / 1e9:.1f} Gbit/s, RTT {r.rtt_ms:.0f} ms, {r.nbytes >> 20} MiB as {r.piece_bytes >> 10} KiB "
-            f"pieces, streams={r.streams} ({r.streams_used} ran), medians of {r.rounds}: first write on fresh "
-            f"connections {r.fresh_gbps:.3f} Gbit/s = {r.fresh_ratio:.3f}x line rate; again on the kept ones "
-            f"{r.kept_gbps:.3f} Gbit/s = {r.kept_ratio:.3f}x")
+            f"pieces, streams={r.streams} ({r.streams_used} ran), medians of {r.rounds}: a new engine's first write "
+            f"after its connections warmed up ({r.warmup_bytes / 1e6:.0f} MB of padding) {r.fresh_gbps:.3f} Gbit/s = "
+            f"{r.fresh_ratio:.3f}x line rate; again on the kept ones {r.kept_gbps:.3f} Gbit/s = {r.kept_ratio:.3f}x")
 
 
 def format_loopback(results: list[LoopbackResult]) -> str:
