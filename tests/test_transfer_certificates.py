@@ -201,3 +201,17 @@ def test_certificate_options_are_all_or_nothing(pki):
         TransferEngine(tls_cert=pki["md"].cert, tls_key=pki["victim"].key, tls_ca=pki["md"].ca)
     with pytest.raises(ValueError, match="cannot read the CA certificate /nonexistent"):
         TransferEngine(tls_cert=pki["md"].cert, tls_key=pki["md"].key, tls_ca="/nonexistent/ca.pem")
+
+
+def test_the_tls_bench_runs_each_mode_with_its_own_credentials(tmp_path):
+    """The tls bench's modes: certificates name the bench engines, the token's TLS and plain
+    need none; one small loopback round of each moves the bytes and times connect()."""
+    from pddcore.benchmarks import tls_cases
+
+    kwargs = tls_cases.mode_kwargs(str(tmp_path))
+    with TransferEngine(**kwargs["sink"]["cert"]) as sink, TransferEngine(**kwargs["source"]["cert"]) as source:
+        assert source.connect(sink.address).engine_id == engine_id_for_name("bench-sink")
+    assert kwargs["sink"]["plain"] == {} and kwargs["sink"]["tls"] == {"tls": True}
+    [result] = tls_cases.loopback(1 << 20, streams_list=(1,), rounds=1, connects=2)
+    assert min(result.plain_gbps, result.tls_gbps, result.cert_gbps) > 0
+    assert sorted(result.connect_ms) == sorted(tls_cases.MODES)
