@@ -117,8 +117,10 @@ void TcpBackend::connect(const PeerInfo& peer) {
   auto link = std::make_shared<Link>();
   link->peer = peer;
   const uint32_t n = auto_streams_ ? StreamRule::kInitial : host_.options().streams;
+  // streams="auto" may add streams later: the pacer has a place for as many as it may get.
   if (host_.options().queue_delay_target_s > 0)
-    link->pacer = std::make_unique<DelayPacer>(host_.options().queue_delay_target_s, n);
+    link->pacer = std::make_unique<DelayPacer>(host_.options().queue_delay_target_s,
+                                               auto_streams_ ? StreamRule::kMax : n);
   link->live_streams = n;
   for (uint32_t i = 0; i < n; ++i) {
     link->streams.push_back(std::make_unique<Stream>());
