@@ -56,6 +56,7 @@ def case_test(name: str, sources: list[str], case_names: list[str], libs: tuple[
             binary = build(tmp_path_factory.mktemp(name), name, sources, libs)
             assert sorted(cases(binary)) == sorted(case_names)
             _BUILT[name] = binary
-        assert run_case(_BUILT[name], case) == (0, f"ok {case}")
+        status, said = run_case(_BUILT[name], case)
+        assert (status, said) == (0, f"ok {case}"), f"exit status {status}: {said}"
 
     return test
