@@ -86,3 +86,32 @@ def test_unusable_kv_transfer_params_are_refused_clearly(pair, where, kv, words)
     answer = generate(proc, list(range(20, 60)), 2, kv, expect=502 if "reach" in words else 400)
     assert words in answer["error"]["message"]
     assert proc.get("/pdd/state")["running"] == 0
+
+
+def test_a_write_to_a_decode_engine_that_went_away_is_retired_not_raised():
+    """A decode engine killed while P writes the pages it pulled: P's model loop retires
+    the failed write (and counts it) instead of failing on it at every iteration."""
+    import torch
+
+    from pddcore.engine.kv_link import KvProducer, _Send
+    from pddcore.model import Model
+    from pddcore.transfer import TransferEngine, TransferError, new_auth_token
+
+    token = new_auth_token()
+    # 8 Mbit/s: the 1 MiB write takes a second, so the decode engine is gone long before it ends.
+    p, d = TransferEngine(auth_token=token, rate_limit_bps=8e6), TransferEngine(auth_token=token)
+    try:
+        producer = KvProducer(p, Model.default(seed=0).new_pool(8, 16), "p-test", lease_s=60)
+        dst = d.register(torch.zeros(1 << 20, dtype=torch.uint8), target=True).descriptor()
+        src = p.register(torch.ones(1 << 20, dtype=torch.uint8))
+        transfer = p.write(p.connect(d.address), src, 0, dst, 0, 1 << 20)
+        producer.sends.append(_Send(transfer, src, "r"))
+        d.close()
+        with pytest.raises(TransferError):
+            transfer.wait(60)
+        producer.poll()
+        assert producer.sends == [] and producer.sends_failed == 1 and not producer.busy
+        with pytest.raises(ValueError):
+            p.unregister(src)  # the failed write's source was released with it
+    finally:
+        p.close()

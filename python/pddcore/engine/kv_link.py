@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -32,11 +33,13 @@ import torch
 from .. import pack, unpack
 from ..model import KVPool
 from ..peer_cache import PeerCache
-from ..transfer import Message, Peer, Region, Transfer, TransferEngine
+from ..transfer import Message, Peer, Region, Transfer, TransferEngine, TransferError
 
 __all__ = ["KvProducer", "KvConsumer", "PendingPull", "KvLinkError", "parse_message"]
 
 PULL, SENT, FAIL = b"EPUL", b"EKVD", b"EERR"
+
+log = logging.getLogger("pddcore.engine")
 
 
 class KvLinkError(RuntimeError):
@@ -86,6 +89,7 @@ class KvProducer:
         self.leases: dict[str, _Lease] = {}
         self.sends: list[_Send] = []
         self.pulls_served = 0
+        self.sends_failed = 0
         self.bytes_sent = 0
 
     def lease(self, rid: str, pages: list[int], num_tokens: int, pulls: int = 1) -> dict:
@@ -142,8 +146,15 @@ class KvProducer:
         self.bytes_sent += buf.numel()
 
     def poll(self) -> None:
-        """Retires finished writes and leases past their time."""
-        for send in [s for s in self.sends if s.transfer.done()]:
+        """Retires finished writes, also failed ones (the asker went away: its pull fails or
+        times out on its side), and leases past their time."""
+        for send in list(self.sends):
+            try:
+                if not send.transfer.done():
+                    continue
+            except TransferError as e:
+                log.warning("%s: writing the pulled pages failed: %s", send.rid, e)
+                self.sends_failed += 1
             self.sends.remove(send)
             self.engine.unregister(send.region)
         now = time.monotonic()

@@ -115,6 +115,7 @@ class Scheduler:
         return {**self.counts, "running": len(self.active), "waiting": len(self.waiting),
                 "free_pages": self.pool.allocator.num_free, "cached_pages": self.cache.num_pages,
                 "leases": len(self.producer.leases), "pulls_served": self.producer.pulls_served,
+                "sends_failed": self.producer.sends_failed,
                 "bytes_sent": self.producer.bytes_sent, "pulls_done": self.consumer.pulls_done,
                 "bytes_received": self.consumer.bytes_received}
 
