@@ -11,7 +11,7 @@ exists, goodput against its line rate; the WAN cases are tcp-only.
 
 import pytest
 
-from pddcore.benchmarks import crc_cases, rdma_cases, transfer_cases
+from pddcore.benchmarks import crc_cases, rdma_cases, transfer_cases, transfer_wan_cases
 from pddcore.testing.wan import unavailable_reason
 
 
@@ -51,8 +51,8 @@ def test_rdma_vs_line_rate(benchmark, backend):
 def test_wan_64k_pieces_vs_line_rate(benchmark, delay_ms, backend):
     if backend != "tcp":
         pytest.skip("the WAN path is tcp")
-    result = benchmark.pedantic(transfer_cases.wan_case, kwargs={"rate": "1gbit", "delay_ms": delay_ms},
+    result = benchmark.pedantic(transfer_wan_cases.wan_case, kwargs={"rate": "1gbit", "delay_ms": delay_ms},
                                 rounds=1, iterations=1)
     benchmark.extra_info.update(result.as_dict())
-    print("\n" + transfer_cases.format_wan(result))
+    print("\n" + transfer_wan_cases.format_wan(result))
     assert result.goodput_gbps > 0

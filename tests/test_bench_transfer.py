@@ -6,7 +6,8 @@ import threading
 
 import numpy as np
 
-from pddcore.benchmarks.transfer_cases import RawSockets, loopback_matrix, raw_receive
+from pddcore.benchmarks.sink import raw_receive
+from pddcore.benchmarks.transfer_cases import RawSockets, loopback_matrix
 
 
 def test_raw_sockets_fill_the_destination_span_by_span():

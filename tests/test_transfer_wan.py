@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pddcore.benchmarks.transfer_cases import read_info, write_info, desc_address
+from pddcore.benchmarks.sink import read_info, write_info, desc_address
 from pddcore.testing.wan import WanLink, unavailable_reason
 from pddcore.transfer import available_congestion_controls
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cpp_unit
-from pddcore.benchmarks.transfer_cases import desc_address, read_info, write_info
+from pddcore.benchmarks.sink import desc_address, read_info, write_info
 from pddcore.testing.wan import WanLink, unavailable_reason
 from pddcore.transfer import TransferEngine
 

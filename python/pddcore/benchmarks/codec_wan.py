@@ -37,7 +37,7 @@ from .codec_cases import CODECS
 from .handoff_cases import MODELS, await_message, bench_model, handoff_tokens
 from .handoff_cases import PAGE_SIZE as WAN_PAGE_SIZE  # 100 handed-off tokens fill whole pages
 from .results import Result
-from .transfer_cases import desc_address, read_info, write_info
+from .sink import desc_address, read_info, write_info
 
 WAN_RATES = ("200mbit", "1gbit")
 WAN_DELAY_MS = 25.0  # one way: 50 ms RTT

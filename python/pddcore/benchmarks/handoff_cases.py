@@ -46,7 +46,7 @@ import numpy as np
 from .._stats import percentiles
 from ..model import ModelConfig
 from .auth import bench_token
-from .transfer_cases import desc_address, read_info, write_info
+from .sink import desc_address, read_info, write_info
 
 MODELS: dict[str, ModelConfig] = {
     "embedded": ModelConfig(),

@@ -18,14 +18,13 @@ beside the better of cubic and bbr chosen by hand on the same path, in the same 
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 from .auth import bench_token
 from .results import Result
-from .transfer_cases import desc_address, engine_sink, read_info
+from .sink import desc_address, engine_sink, read_info
 
 LOSSES = (0.0001, 0.001, 0.01)
 #: "auto" beside both algorithms it chooses between, as :func:`compare_auto` reads them.

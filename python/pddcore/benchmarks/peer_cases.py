@@ -44,7 +44,7 @@ import numpy as np
 
 from .peer_engines import PDDCORE, Contender, peers
 from .results import Result
-from .transfer_cases import read_info, write_info
+from .sink import read_info, write_info
 
 PIECES: tuple[int | None, ...] = (64 << 10, 1 << 20, None)  # None: the whole transfer as one write
 WARMUP_BYTES = 4 << 20

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .auth import bench_token
-from .transfer_cases import desc_address
+from .sink import desc_address
 
 BATCH = 1024  # pieces per submitted call, for every contender
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import (codec_cases, codec_wan, crc_cases, demo_cases, extend_cases, handoff_cases, loss_cases, pack_cases,
-               peer_cases, radix_cases, rdma_cases, serve_cases, stream_cases, tls_cases, transfer_cases)
+               peer_cases, radix_cases, rdma_cases, serve_cases, stream_cases, tls_cases, transfer_cases, transfer_wan_cases)
 from .results import Result
 
 CASES = ("pack", "transfer", "tls", "wan", "loss", "peers", "wan10g", "stream", "handoff", "extend", "radix", "codec",
@@ -130,15 +130,15 @@ def case_wan(quick: bool, backend: str) -> CaseOutput:
     from . import wan_cases
 
     if quick:
-        r = _in_fresh_process(transfer_cases.wan_case, rate="200mbit", delay_ms=10, nbytes=128 << 20, probes=10,
+        r = _in_fresh_process(transfer_wan_cases.wan_case, rate="200mbit", delay_ms=10, nbytes=128 << 20, probes=10,
                               settle_s=2.0)
     else:
-        r = _in_fresh_process(transfer_cases.wan_case, rate="1gbit", delay_ms=25)
+        r = _in_fresh_process(transfer_wan_cases.wan_case, rate="1gbit", delay_ms=25)
     rate = "200mbit" if quick else "1gbit"
     tcp = _in_fresh_process(wan_cases.bulk_tcp, rate, r.rtt_ms / 2, seconds=3.0 if quick else 6.0)
     line = _in_fresh_process(wan_cases.delay_line_capacity, 1500, seconds=2.0 if quick else 3.0)
     # The short-transfer row at full size either way: 256 MiB at 1 Gbit/s, 50 ms.
-    fk = _in_fresh_process(transfer_cases.fresh_and_kept, "1gbit", 25, 256 << 20, rounds=3)
+    fk = _in_fresh_process(transfer_wan_cases.fresh_and_kept, "1gbit", 25, 256 << 20, rounds=3)
     rows = [Row("wan", f"engine goodput {r.rate_bps / 1e9:.1f} Gbit/s RTT {r.rtt_ms:.0f} ms", r.goodput_gbps,
                 "line rate", r.rate_bps / 1e9, "Gbit/s"),
             Row("wan", "same writes again, kept connections", r.kept_goodput_gbps, "line rate", r.rate_bps / 1e9,
@@ -159,7 +159,7 @@ def case_wan(quick: bool, backend: str) -> CaseOutput:
                 line.pps_needed_1g, "pkt/s")]
     return CaseOutput({"engine": r.as_dict(), "fresh_and_kept": fk.as_dict(), "plain_tcp": tcp.as_dict(),
                        "delay_line": line.as_dict()},
-                      transfer_cases.format_wan(r) + "\n" + transfer_cases.format_fresh_kept(fk)
+                      transfer_wan_cases.format_wan(r) + "\n" + transfer_wan_cases.format_fresh_kept(fk)
                       + f"\nplain TCP stream: {tcp.steady_gbps:.3f} Gbit/s steady "
                       f"= {tcp.ratio:.3f}x line rate\ndelay line, MTU 1500: {line.pps_per_core / 1e3:.0f} kpps "
                       f"per core = {line.ratio_1g:.2f}x the rate 1 Gbit/s needs", rows)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from .auth import bench_token
 from .handoff_cases import MODELS, bench_model
 from .results import Result
-from .transfer_cases import desc_address, read_info, write_info
+from .sink import desc_address, read_info, write_info
 
 PAGE_SIZE = 16
 MODES = ("streamed", "after_prefill")

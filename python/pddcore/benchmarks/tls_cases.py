@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from .auth import bench_token
 from .results import Result
-from .transfer_cases import desc_address, engine_sink, read_info
+from .sink import desc_address, engine_sink, read_info
 
 #: plain TCP (token handshake), TLS keyed by the token, TLS with certificates
 MODES = ("plain", "tls", "cert")
