@@ -419,12 +419,17 @@ def test_manager_layout_is_on_the_kv_device(pair):
         mgr.close()
 
 
+def _thread_role(name: str) -> str:
+    return {"MainThread": "scheduler", "pdd-post": "poster", "pdd-decode": "message pump"}[name.rpartition("-")[0] or name]
+
+
 def test_every_cuda_path_runs_on_the_kv_gpu(pair, monkeypatch):
     """Prefill KV on GPU 3, decode KV on GPU 2 (torch.cuda stood in for, the bytes on the CPU):
-    the sender packs and waits with GPU 3 current; the decode side unpacks on the manager's
-    message thread, where no GPU is current unless the backend makes its own so, on the
-    manager's own unpack stream of GPU 2 (not the default stream SGLang's forward runs on), and
-    waits on an event after the unpack, never on a whole stream."""
+    the sender packs and records an event after the pack with GPU 3 current on the scheduler
+    thread, and its manager's posting thread waits on that event with GPU 3 current; the decode
+    side unpacks on the manager's message thread, where no GPU is current unless the backend
+    makes its own so, on the manager's own unpack stream of GPU 2 (not the default stream
+    SGLang's forward runs on), and waits on an event after the unpack, never on a whole stream."""
     from fake_cuda import FakeCuda
 
     from pddcore.integrations.sglang import receiver as receiver_module
@@ -436,18 +441,69 @@ def test_every_cuda_path_runs_on_the_kv_gpu(pair, monkeypatch):
     assert pair.move(90, [1], [1]) == (KVPoll.Success, KVPoll.Success)  # the decode side built its layout
     cuda.calls.clear()
     cuda.streams.clear()
-    pair.prefill.device, pair.decode.device = torch.device("cuda", 3), torch.device("cuda", 2)
+    cuda.threads.clear()
+    p_gpu, d_gpu = torch.device("cuda", 3), torch.device("cuda", 2)
+    pair.prefill.device, pair.decode.device = p_gpu, d_gpu
     for room, (src, dst) in enumerate([([3, 4], [5, 6]), ([7], [8])], start=91):
         assert pair.move(room, src, dst) == (KVPoll.Success, KVPoll.Success)
         assert torch.equal(torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)[:, dst], pair.pages()[:, src])
-    gpu = {"pack": torch.device("cuda", 3), "unpack": torch.device("cuda", 2), "record": torch.device("cuda", 2),
-           "event synchronize": torch.device("cuda", 2), "synchronize": torch.device("cuda", 3)}
-    assert {name for name, _ in cuda.calls} == set(gpu), cuda.calls
-    assert [c for c in cuda.calls if c[1] != gpu[c[0]]] == []
-    assert [s.device for s in cuda.made_streams] == [torch.device("cuda", 2)]  # one unpack stream, made once
-    decode_side = [(name, stream) for name, stream in cuda.streams if name in ("unpack", "record")]
-    assert decode_side and set(decode_side) == {("unpack", "stream 0"), ("record", "stream 0")}, cuda.streams
-    assert [name for name, _ in cuda.streams if name != "pack"][-3:] == ["unpack", "record", "event synchronize"]
+    seen = {(name, _thread_role(thread), device) for (name, device), (_, thread) in zip(cuda.calls, cuda.threads)}
+    assert seen == {("pack", "scheduler", p_gpu), ("record", "scheduler", p_gpu), ("event synchronize", "poster", p_gpu),
+                    ("unpack", "message pump", d_gpu), ("record", "message pump", d_gpu),
+                    ("event synchronize", "message pump", d_gpu)}, seen
+    assert [s.device for s in cuda.made_streams] == [d_gpu]  # one unpack stream, made once
+    decode_side = {(name, stream) for (name, stream), (_, thread) in zip(cuda.streams, cuda.threads)
+                   if _thread_role(thread) == "message pump" and name != "event synchronize"}
+    assert decode_side == {("unpack", "stream 0"), ("record", "stream 0")}, cuda.streams
+    pump = [name for name, thread in cuda.threads if _thread_role(thread) == "message pump"]
+    assert pump[-3:] == ["unpack", "record", "event synchronize"]
+
+
+def test_the_sender_never_waits_on_the_gpu_and_posts_each_write_once_its_pack_ran(pair, monkeypatch):
+    """SGLang's scheduler thread calls send() with the early-send event of a forward that may
+    still write the pages, while the GPU has run nothing yet (torch.cuda stood in for, KV on
+    GPU 3): send() returns without waiting on the GPU (the pack's stream waits for the forward's
+    event, and an event is recorded after the pack); no write is posted while that event is
+    pending; the manager's posting thread waits on it and then posts the write, and the pages
+    arrive."""
+    from fake_cuda import FakeCuda
+
+    from pddcore.integrations.sglang import sender as sender_module
+
+    cuda = FakeCuda(monkeypatch)
+    cuda.watch(monkeypatch, sender_module, "pack")
+    cuda.watch(monkeypatch, pair.prefill.engine, "write_batch", "write")
+    p_gpu = torch.device("cuda", 3)
+    pair.prefill.device = p_gpu
+    sender, receiver = pair.start(96)
+    receiver.send_metadata(np.array([5, 6], dtype=np.int32), aux_index=1)
+    _wait(lambda: sender.poll() != KVPoll.Bootstrapping)
+    sender.init(2, aux_index=0)
+    cuda.events_done = False  # neither the forward nor the pack runs until the end; a wait here would never end
+    forward_done = torch.cuda.Event()
+    forward_done.record(torch.cuda.Stream(p_gpu))  # SGLang's forward stream
+    sender._early_send_wait_event = forward_done
+    cuda.calls.clear()
+    cuda.streams.clear()
+    cuda.threads.clear()
+    try:
+        sender.send(np.array([3, 4], dtype=np.int32))
+        scheduler = [(name, stream) for (name, stream), (_, thread) in zip(cuda.streams, cuda.threads)
+                     if thread == "MainThread"]
+        assert scheduler == [("stream wait event", "default"), ("pack", "default"), ("record", "default")]
+        assert {device for _, device in cuda.calls} == {p_gpu}
+        assert "write" not in [name for name, _ in cuda.calls]  # the posting thread waits for the pack
+        assert sender.poll() == KVPoll.Transferring and receiver.poll() == KVPoll.Transferring
+    finally:
+        cuda.events_done = True  # else the posting thread would wait for good
+    _wait(lambda: sender.poll() in TERMINAL and receiver.poll() in TERMINAL)
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    assert torch.equal(torch.from_numpy(pair.dst.snapshot()).view(torch.bfloat16)[:, [5, 6]], pair.pages()[:, [3, 4]])
+    names = [name for name, _ in cuda.threads]
+    assert names == ["stream wait event", "pack", "record", "event synchronize", "write"], cuda.threads
+    assert {_thread_role(thread) for _, thread in cuda.threads[3:]} == {"poster"}
+    sender.clear()
+    receiver.clear()
 
 
 def test_staging_buffers_are_registered_once_and_reused(pair):

@@ -869,6 +869,59 @@ def test_the_consumer_reports_a_load_without_waiting_and_keeps_its_buffer_until_
         cw.conn.shutdown()
 
 
+def test_a_partial_pull_out_of_gpudirect_staging_is_posted_once_its_pack_ran(model_dir, monkeypatch):
+    """GPUDirect staging (the staged copy on the producer's GPU 3; torch.cuda stood in for, the
+    bytes on the CPU): a pull of the blocks after the consumer's cached prefix is packed into a
+    buffer of its own on the GPU. The producer's step records an event after that pack and
+    never waits on the GPU; the producer's posting thread waits on the event and posts the write
+    only then, and the consumer gets the blocks."""
+    from fake_cuda import FakeCuda
+
+    from pddcore.integrations.vllm import layer_major, producer
+
+    cuda = FakeCuda(monkeypatch)
+    cuda.watch(monkeypatch, producer, "pack")
+    pw = make_worker(model_dir, "kv_producer", seed=97)
+    cw = make_worker(model_dir, "kv_consumer", seed=98)
+    cuda.watch(monkeypatch, pw.conn.engine, "write")
+    p_gpu = torch.device("cuda", 3)
+    pw.conn.kv_device = pw.conn.staging.kv_device = p_gpu
+    pw.conn.staging.gpudirect = True  # buffers count as the GPU's (their bytes stay in host memory here)
+    monkeypatch.setattr(producer, "layer_major_layout",  # the staged copy's pages, read on the CPU
+                        lambda src, n, buffer, device: layer_major.layer_major_layout(src, n, buffer, "cpu"))
+    try:
+        p_blocks, d_blocks = [3, 8, 5], [10, 12]
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}), forward=True)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 60.0}))
+        cuda.calls.clear()
+        cuda.threads.clear()
+        cuda.events_done = False  # the GPU runs nothing queued from here on; a wait here would never end
+        try:
+            params = dict(pushed_params(pw, "p-req", p_blocks), pdd_pushed=False)
+            cw.conn.bind_connector_metadata(PDDConnectorMetadata(loads={"d-req": _Load(d_blocks, 1, params)}))
+            cw.conn.start_load_kv(None)  # its prefix cache holds the first block: blocks 1, 2 are pulled
+            cw.conn.clear_connector_metadata()
+            results, _ = drive([pw.conn, cw.conn],  # the pull was answered, or failed
+                               lambda r, e: pw.conn._serving.get("p-req") or r[1].finished_recving)
+            assert not results[1].finished_recving
+            results, _ = drive([pw.conn, cw.conn], lambda r, e: True)  # another step: still nothing is sent
+            assert not results[1].finished_recving
+            main = [name for name, thread in cuda.threads if thread == "MainThread"]
+            assert main == ["pack", "record"], cuda.threads  # queued, never waited for
+            assert "write" not in [name for name, _ in cuda.calls]
+        finally:
+            cuda.events_done = True  # else the posting thread would wait for good
+        results, errors = drive([pw.conn, cw.conn], lambda r, e: r[1].finished_recving)
+        assert not results[1].failed_recving and not errors[1]
+        assert as_bytes(cw.blocks(d_blocks)) == as_bytes(pw.blocks(p_blocks[1:]))
+        posting = [(name, thread) for name, thread in cuda.threads if thread != "MainThread"]
+        assert [name for name, _ in posting] == ["event synchronize", "write"], cuda.threads
+        assert {device for name, device in cuda.calls} == {p_gpu}
+    finally:
+        pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
 def test_rdma_backend_moves_blocks(model_dir):
     """backend="rdma" (the verbs emulator here: no NIC) moves the same blocks; gpudirect needs
     KV on a GPU and says so."""

@@ -3,19 +3,19 @@
 An engine's scheduler thread has its own GPU current, but an adapter also packs and unpacks
 from other threads (SGLang's message pump, a transfer thread), where the current device is
 GPU 0. Every entry point that touches the pool therefore runs under :func:`on_device`, and
-waits for (or records an event on) that device's current stream, never the null stream of
+records its events on (or makes wait) that device's current stream, never the null stream of
 another GPU.
 
 Example::
 
     with on_device(layout.device):        # torch.cuda.device(cuda:3); nothing on the CPU
         pack(layout, pages, out=buf)
-        wait_for_stream(layout.device)     # the pack ran: the engine may read buf
-        pack(layout, more_pages, out=buf2)
-        done = record_event(layout.device)  # without waiting: buf2 is whole once done.query()
+        done = record_event(layout.device)  # without waiting: buf is whole once done.query()
                                             # (None off CUDA: it is whole already)
+        stream_waits_for(layout.device, forward_done)   # later work on the stream runs after it
+                                                         # (the GPU waits, not the host)
         with on_stream(side):               # a stream of the adapter's own (None off CUDA)
-            unpack(layout, pages, buf3)
+            unpack(layout, pages, buf2)
             done = record_event(layout.device)   # after the unpack on that stream only
 """
 
@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["on_device", "on_stream", "on_kv_device", "wait_for_stream", "record_event"]
+__all__ = ["on_device", "on_stream", "on_kv_device", "record_event", "stream_waits_for"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,12 +65,6 @@ def on_kv_device(method: F) -> F:
     return guarded  # type: ignore[return-value]
 
 
-def wait_for_stream(device: torch.device) -> None:
-    """Waits for the work queued so far on ``device``'s current stream (no-op off CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 def record_event(device: torch.device) -> "torch.cuda.Event | None":
     """An event on ``device``'s current stream after the work queued so far; None off CUDA,
     where that work already ran."""
@@ -79,3 +73,10 @@ def record_event(device: torch.device) -> "torch.cuda.Event | None":
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def stream_waits_for(device: torch.device, event: "torch.cuda.Event | None") -> None:
+    """Makes the work queued next on ``device``'s current stream wait for ``event`` (another
+    stream's work); the GPU waits, the calling thread does not. No-op for None or off CUDA."""
+    if event is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).wait_event(event)

@@ -1,7 +1,8 @@
 """The per-rank half of the SGLang backend: :class:`PDDKVManager` holds the KV pool's
 :class:`KVLayout`, a :class:`TransferEngine`, a :class:`StagingPool` and a thread that
 checks every incoming message and files it in its room's :class:`RoomInbox`, where the
-room's sender or receiver reads it.
+room's sender or receiver reads it; on the prefill side also a :class:`Poster` thread, from
+which the senders' writes leave once their packs ran on the GPU.
 
 Example (one per scheduler rank; SGLang makes them)::
 
@@ -25,6 +26,7 @@ from ...layout import KVLayout
 from ...transfer import Message, Region, TransferEngine
 from .._messages import MalformedMessage
 from .._peers import Peers
+from .._posting import Poster
 from .._staging import StagingPool
 from .bootstrap import PrefillInfo, bootstrap_url, fetch_prefill_info, register_prefill_rank
 from .config import STAGING_ENV, advertised_host, check_supported, kv_device, mode_name, staging_bytes
@@ -110,6 +112,8 @@ class PDDKVManager(BaseKVManager):
             self._aux_regions = [self.engine.register_pointer(p, n)
                                  for p, n in zip(args.aux_data_ptrs, args.aux_data_lens)]
         self.peers = Peers(self.engine, MESSAGES, log)
+        # Prefill: the senders' writes leave from this thread, each once its pack ran on the GPU.
+        self.poster = Poster(f"pdd-post-{self.rank}") if self.mode == "prefill" else None
         self._lock = threading.Lock()
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._rooms: dict[int, RoomInbox] = {}
@@ -270,6 +274,8 @@ class PDDKVManager(BaseKVManager):
     def close(self) -> None:
         self._stop.set()
         self._pump.join()
+        if self.poster is not None:
+            self.poster.close()
         self.staging.close()
         self.engine.close()
 

@@ -4,6 +4,12 @@ those pages (``pddcore.pack``, head-sliced when the TP sizes differ) into a pool
 writes them into each decode rank's staging buffer with a ``chunk`` notification; the last
 chunk also carries the aux (metadata buffer) item.
 
+``send`` runs on SGLang's scheduler thread and never waits on the GPU there: the pack is
+queued on the current stream (after SGLang's early-send event, which the stream waits for),
+an event is recorded after it, and the manager's :class:`~.._posting.Poster` thread waits on
+that event before it posts the write, so the engine never reads a buffer the kernel is still
+filling.
+
 The decode rank's staging buffer, and one prefill rank's segment in it (layer-major, every
 plane holding all ``num_pages`` pages; a chunk of ``n`` pages after ``sent`` fills pages
 ``sent .. sent + n`` of each plane)::
@@ -14,6 +20,7 @@ plane holding all ``num_pages`` pages; a chunk of ``n`` pages after ``sent`` fil
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Optional
 
@@ -24,8 +31,9 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransfer
 
 from ...pack import pack
 from ...transfer import Transfer
-from .._device import on_device, wait_for_stream
+from .._device import on_device, record_event, stream_waits_for
 from .._heads import destinations_of
+from .._posting import PostedWrite
 from .._staging import StagingBuffer
 from .manager import PDDKVManager
 from .protocol import MESSAGES, Registration, Unread
@@ -46,14 +54,14 @@ class PDDKVSender(BaseKVSender):
         self._aux_index: int | None = None
         self._sent_pages = 0
         self._chunk_idx = 0
-        self._transfers: list[Transfer] = []
+        self._transfers: list[PostedWrite] = []
         self._buffers: list[StagingBuffer] = []
         self._decode_prefix_len: int | None = None
         self._started = time.monotonic()
         self._closed = False   # the last chunk went out
         self._bytes = 0
         # SGLang's early send of a cached prefix sets this CUDA event: the forward that writes
-        # those pages may still be running when send() is called.
+        # those pages may still be running on SGLang's forward stream when send() is called.
         self._early_send_wait_event: Any = None
 
     def _registrations(self) -> list[Registration] | None:
@@ -149,9 +157,9 @@ class PDDKVSender(BaseKVSender):
             return  # an empty final segment after a chunk that already completed the pages
         if self._sent_pages + n > self._num_pages:
             return self._fail(f"{self._sent_pages} + {n} pages exceeds the {self._num_pages} announced in init()")
-        event, self._early_send_wait_event = self._early_send_wait_event, None
-        if event is not None:
-            event.synchronize()
+        forward_done, self._early_send_wait_event = self._early_send_wait_event, None
+        with on_device(self.kv_mgr.device):
+            stream_waits_for(self.kv_mgr.device, forward_done)  # the packs read what that forward writes
         last = self._sent_pages + n == self._num_pages
         try:
             for reg in self._registrations() or []:
@@ -169,13 +177,14 @@ class PDDKVSender(BaseKVSender):
             raise ValueError(f"decode rank {reg.d_rank} staged {reg.seg_bytes} bytes for {reg.num_pages} pages, "
                              f"this prefill layout packs {layout.packed_nbytes(reg.num_pages, heads=reg.src_heads)}")
         ops = []
+        packed = None
         n = int(pages.numel())
         if n:
             buf = mgr.staging.acquire(layout.packed_nbytes(n, heads=reg.src_heads))
             self._buffers.append(buf)
             with on_device(mgr.device):
                 pack(layout, pages, heads=reg.src_heads, out=buf.tensor)
-                wait_for_stream(mgr.device)  # the engine reads the buffer from its own threads
+                packed = record_event(mgr.device)  # the poster posts the write once it completed
             # The decode segment is layer-major with every plane holding all reg.num_pages pages;
             # this chunk's pages go after the _sent_pages already written in each plane.
             src_off = dst_off = 0
@@ -192,12 +201,17 @@ class PDDKVSender(BaseKVSender):
                 ops.append((region, self._aux_index * item_len, reg.region, dst, item_len))
                 dst += item_len
         notice = dict(room=self.room, src=mgr.rank, idx=self._chunk_idx, last=last)
-        if not ops:  # nothing to move (an empty last chunk): the notice alone closes the stream
-            mgr.peers.send(reg.peer_address, "chunk", **notice)
-            return
-        self._transfers.append(mgr.engine.write_batch(mgr.peers.connect(reg.peer_address), ops,
-                                                      notify=MESSAGES.encode("chunk", **notice)))
+        if ops:
+            write = functools.partial(self._write, reg.peer_address, ops, MESSAGES.encode("chunk", **notice))
+        else:  # nothing to move (an empty last chunk): the notice alone closes the stream
+            write = functools.partial(mgr.peers.send, reg.peer_address, "chunk", **notice)
+        # Posted in order from the manager's thread (a connect to a new peer does not stall the scheduler either).
+        self._transfers.append(mgr.poster.post(write, after=packed, device=mgr.device))
         self._bytes += sum(op[4] for op in ops)
+
+    def _write(self, address: str, ops: list, notify: bytes) -> Transfer:
+        mgr = self.kv_mgr
+        return mgr.engine.write_batch(mgr.peers.connect(address), ops, notify=notify)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         return KVTransferMetric(transfer_latency_s=time.monotonic() - self._started, transfer_total_bytes=self._bytes)

@@ -18,6 +18,7 @@ see :mod:`.layer_major`)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,9 +29,10 @@ import torch
 from ...layout import KVLayout
 from ...pack import pack
 from ...transfer import Message, Transfer
-from .._device import on_kv_device, record_event, wait_for_stream
+from .._device import on_kv_device, record_event
 from .._heads import destinations_of
 from .._messages import MalformedMessage
+from .._posting import PostedWrite, Poster
 from .._staging import StagingBuffer, StagingExhausted, StagingPool
 from .base_worker import Handler, WorkerBase
 from .layer_major import layer_major_layout, layer_offsets
@@ -93,7 +95,11 @@ class ProducerWorker(WorkerBase):
         self._staged: dict[str, _Staged] = {}          # req -> packed KV
         self._unstaged: dict[str, tuple[str, float]] = {}   # req -> why it has no staged copy, until when
         self._pulls: dict[str, list[tuple[str, dict]]] = {}   # req -> pull requests not served yet
-        self._serving: dict[str, list[tuple[Transfer, StagingBuffer | None, dict]]] = {}
+        self._serving: dict[str, list[tuple[PostedWrite, StagingBuffer | None, dict]]] = {}
+        # Pulls are answered from this thread: a write whose source a kernel still fills (a
+        # head-sliced or partial pull out of GPUDirect staging) waits there for its event, and
+        # a connect to a new consumer never stalls the step either.
+        self._poster = Poster(f"pdd-post-{self.tp_rank}")
 
     def _message_handlers(self) -> dict[str, Handler]:
         return {**super()._message_handlers(), "pull": self._on_pull, "drop": self._on_drop, "alive": self._on_alive}
@@ -101,6 +107,10 @@ class ProducerWorker(WorkerBase):
     def _progress(self) -> None:
         self._progress_sends()
         super()._progress()
+
+    def _close_worker(self) -> None:
+        self._poster.close()
+        super()._close_worker()
 
     def _staged_started(self, req_id: str, staged: _Staged, meta: PDDConnectorMetadata) -> None:
         """A fresh staged copy of ``req_id`` for this step's save."""
@@ -261,17 +271,23 @@ class ProducerWorker(WorkerBase):
         if nbytes != pull["seg_bytes"]:
             raise ValueError(f"consumer staged {pull['seg_bytes']} bytes, this layout packs {nbytes} "
                              "(block geometry differs)")
+        packed = None
         if heads is None and skip == 0 and n == blocks:
             src, own = staged.buffer, None
         else:
             src = own = self.staging.acquire(nbytes)
             first = skip * self.pages_per_block
             pack(staged.layout, torch.arange(first, first + n * self.pages_per_block), heads=heads, out=own.tensor)
-            wait_for_stream(staged.layout.device)  # GPUDirect staging: the NIC reads what the kernel writes
-        transfer = self.engine.write(self._peers.connect(address), src.region, 0, bytes.fromhex(pull["region"]),
-                                     pull["offset"], nbytes,
-                                     notify=MESSAGES.encode("done", req=pull["d_req"], src=self.tp_rank))
-        self._serving.setdefault(req_id, []).append((transfer, own, pull))
+            # GPUDirect staging: the kernel runs on the GPU and the NIC reads what it writes, so
+            # the write waits on the posting thread for this event (None: host staging, copied).
+            packed = record_event(self.staging.buffer_device)
+        write = functools.partial(self._write, address, src, pull, nbytes)
+        self._serving.setdefault(req_id, []).append((self._poster.post(write, after=packed, device=self.kv_device),
+                                                     own, pull))
+
+    def _write(self, address: str, src: StagingBuffer, pull: dict, nbytes: int) -> Transfer:
+        return self.engine.write(self._peers.connect(address), src.region, 0, bytes.fromhex(pull["region"]),
+                                 pull["offset"], nbytes, notify=MESSAGES.encode("done", req=pull["d_req"], src=self.tp_rank))
 
     def _drop_send(self, req_id: str) -> None:
         staged = self._staged.pop(req_id, None)
