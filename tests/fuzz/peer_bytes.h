@@ -12,9 +12,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <optional>
-#include <thread>
+#include <string>
 
 #include "pddcore/transfer_backend.h"
 #include "transport/socket.h"
@@ -30,9 +29,10 @@
 
 namespace fuzz {
 
-// A connected pair: a thread sends `bytes` from one end, then closes its sending side; the
-// parser under test reads `socket`, the other end. What the parser sends back stays queued
-// at the peer's end until replies().
+// A connected pair: the peer's end has sent `bytes` and closed its sending side before the
+// parser under test reads `socket`, the other end (the input, at most the fuzzer's max_len,
+// fits in the socket's buffer, so no thread has to feed it). What the parser sends back stays
+// queued at the peer's end until replies().
 class PeerBytes {
  public:
   PeerBytes(const uint8_t* bytes, size_t size) {
@@ -40,26 +40,18 @@ class PeerBytes {
     FUZZ_CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
     socket = pddcore::transfer::Socket(fds[0]);
     peer_fd_ = fds[1];
-    sender_ = std::thread([this, bytes, size] {
-      for (size_t sent = 0; sent < size;) {
-        const ssize_t n = ::send(peer_fd_, bytes + sent, size - sent, MSG_NOSIGNAL);
-        if (n <= 0) break;  // the parser closed its end before reading everything
-        sent += static_cast<size_t>(n);
-      }
-      ::shutdown(peer_fd_, SHUT_WR);
-    });
+    const ssize_t sent = size == 0 ? 0 : ::send(peer_fd_, bytes, size, MSG_DONTWAIT | MSG_NOSIGNAL);
+    FUZZ_CHECK(sent == static_cast<ssize_t>(size));  // else the input outgrew the buffer: lower -max_len
+    ::shutdown(peer_fd_, SHUT_WR);
   }
   PeerBytes(const PeerBytes&) = delete;
   PeerBytes& operator=(const PeerBytes&) = delete;
-  ~PeerBytes() {
-    finish();
-    ::close(peer_fd_);
-  }
+  ~PeerBytes() { ::close(peer_fd_); }
 
   // Everything the parser sent to the peer. Call after the parser returned: it closes the
   // parser's end first.
   std::string replies() {
-    finish();
+    socket.shutdown();
     std::string out;
     char buf[4096];
     for (ssize_t n; (n = ::recv(peer_fd_, buf, sizeof(buf), 0)) > 0;) out.append(buf, static_cast<size_t>(n));
@@ -69,14 +61,7 @@ class PeerBytes {
   pddcore::transfer::Socket socket;
 
  private:
-  // Wakes a sender blocked on a parser that stopped reading, and waits for it.
-  void finish() {
-    socket.shutdown();
-    if (sender_.joinable()) sender_.join();
-  }
-
   int peer_fd_ = -1;
-  std::thread sender_;
 };
 
 // Little-endian fields of the input, read without csrc's wire::Reader.
