@@ -149,11 +149,14 @@ def test_scheduler_producer_then_consumer(model_dir):
     assert free_blocks(prod) == idle  # freed at once: the workers serve the consumer from their staged copy
     out = prod.schedule()
     assert out.kv_connector_metadata.send_deadlines == {"p-1": prod.connector.lease_s}  # the copy's lease
+    assert out.kv_connector_metadata.lease_keys == {"p-1": params["pdd_lease_key"]}  # what heartbeats must bear
+    assert len(bytes.fromhex(params["pdd_lease_key"])) == 16
 
     cons = make_scheduler(model_dir, "kv_consumer")
     creq = make_request("d-1", prompt, 3, dict(params))
     cons.add_request(creq)
     out = cons.schedule()
+    assert out.kv_connector_metadata.heartbeats["p-1"].lease_key == params["pdd_lease_key"]
     load = out.kv_connector_metadata.loads["d-1"]
     assert creq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert load.skip_blocks == 0 and len(load.local_block_ids) == 3 and load.params["remote_block_ids"] == blocks
@@ -652,6 +655,45 @@ class FakeClock:
         return self.now
 
 
+LEASE_KEY = "5e" * 16
+
+
+def test_a_heartbeat_without_the_lease_key_does_not_keep_the_kv(model_dir, monkeypatch):
+    """A third engine (authenticated like any other, but never handed the request) heartbeats a
+    producer request it names, with no key or a guessed one: the lease does not start again and
+    ends on time. A heartbeat bearing the key the producer handed out does start it again."""
+    from pddcore.integrations.vllm import producer
+
+    clock = FakeClock()
+    monkeypatch.setattr(producer, "time", clock)
+    pw = make_worker(model_dir, "kv_producer", seed=48, extra={"lease_s": 1.0})
+    third = TransferEngine()
+    try:
+        worker_step(pw, PDDConnectorMetadata(saves={"p-req": [3, 8]}), forward=True)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 1.0}, lease_keys={"p-req": LEASE_KEY}))
+        deadline = pw.conn._staged["p-req"].deadline
+        peer = third.connect(pw.conn.address)
+        sent = 0
+        for payload in [MESSAGES.encode("alive", req="p-req", key="ab" * 16),
+                        _MAGIC + json.dumps({"k": "alive", "req": "p-req"}).encode()]:
+            clock.now += 0.5
+            third.send(peer, payload)
+            sent += 1
+            drive([pw.conn], lambda r, e: pw.conn.engine.stats()["messages_received"] >= sent)
+            assert pw.conn._staged["p-req"].deadline == deadline  # not started again
+        clock.now += 0.5  # past the lease
+        drive([pw.conn], lambda r, e: True)
+        assert "p-req" not in pw.conn._staged  # the lease ended on time
+        worker_step(pw, PDDConnectorMetadata(saves={"p-2": [4, 9]}), forward=True)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-2": 1.0}, lease_keys={"p-2": LEASE_KEY}))
+        clock.now += 0.5
+        third.send(peer, MESSAGES.encode("alive", req="p-2", key=LEASE_KEY))  # what a consumer handed it sends
+        drive([pw.conn], lambda r, e: pw.conn._staged["p-2"].deadline == clock.now + 1.0)
+    finally:
+        third.close()
+        pw.conn.shutdown()
+
+
 def test_heartbeats_keep_the_kv_for_a_consumer_that_waits_past_the_lease(model_dir, monkeypatch):
     """The producer's lease is 1 s; the consumer's request waits 4.2 s (a fake clock) in its
     scheduler before the load starts. From its arrival its scheduler heartbeats the producer
@@ -669,8 +711,9 @@ def test_heartbeats_keep_the_kv_for_a_consumer_that_waits_past_the_lease(model_d
     try:
         p_blocks, d_blocks = [3, 8], [10, 12]
         worker_step(pw, PDDConnectorMetadata(saves={"p-req": p_blocks}), forward=True)
-        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 1.0}))
-        params = dict(pushed_params(pw, "p-req", p_blocks), pdd_pushed=False, pdd_lease_s=1.0)
+        worker_step(pw, PDDConnectorMetadata(send_deadlines={"p-req": 1.0}, lease_keys={"p-req": LEASE_KEY}))
+        params = dict(pushed_params(pw, "p-req", p_blocks), pdd_pushed=False, pdd_lease_s=1.0,
+                      pdd_lease_key=LEASE_KEY)
         cs.add_request(make_request("d-req", list(range(100, 132)), 1, params))  # waits in the queue
         for _ in range(12):
             clock.now += 0.35

@@ -29,8 +29,8 @@ the default:
   ``request_finished`` hands the blocks back to vLLM at once, and the staged copy serves the
   consumers (``"pdd_consumers": N`` in the request's params: N of them; default 1) until
   each was served or the lease ends; a consumer heartbeats (``alive``) every quarter of the
-  lease from its request's arrival until its load finished, and each heartbeat starts the
-  lease again;
+  lease from its request's arrival until its load finished, and each heartbeat bearing the
+  request's lease key (``pdd_lease_key`` in the producer's answer) starts the lease again;
 * consumer workers: ``start_load_kv`` registers a staging buffer and sends each producer rank
   it needs a pull request (blocks to skip: the decode side's own prefix-cache hit; head range
   when the TP sizes differ); the producer packs, head-sliced, and writes it with a notify;

@@ -96,10 +96,11 @@ class ConsumerWorker(WorkerBase):
             for address in producer_addresses(params):
                 self._peers.send(address, "drop", req=params.get("remote_request_id"), d_req=req_id,
                                  d_engine=self.engine_id)
-        for remote_req, addresses in meta.heartbeats.items():
+        for remote_req, heartbeat in meta.heartbeats.items():
             # Each producer rank hears from one rank of this consumer: r, r + tp, ... from rank r.
-            for address in addresses[self.tp_rank::self.tp_size]:
-                self._heartbeat_sender.submit(self._peers.send, address, "alive", req=remote_req)
+            for address in heartbeat.addresses[self.tp_rank::self.tp_size]:
+                self._heartbeat_sender.submit(self._peers.send, address, "alive", req=remote_req,
+                                              key=heartbeat.lease_key)
         for req_id, load in meta.loads.items():
             try:
                 self._start(req_id, load)

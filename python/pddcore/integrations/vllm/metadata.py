@@ -6,7 +6,7 @@ Example::
     meta = PDDConnectorMetadata(saves={"p-1": [3, 8]})              # producer: stage blocks 3, 8
     meta = PDDConnectorMetadata(saves={"p-1": [3, 8]}, pushes={"p-1": ["10.0.0.2:7000"]})   # ... and push them
     meta = PDDConnectorMetadata(loads={"d-1": _Load([10, 12], 0, kv_transfer_params)})   # consumer
-    meta = PDDConnectorMetadata(heartbeats={"p-1": ["10.0.0.1:7000"]})  # consumer: keep p-1's KV
+    meta = PDDConnectorMetadata(heartbeats={"p-1": Heartbeat(["10.0.0.1:7000"], "9f1c...")})  # consumer: keep p-1's KV
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-__all__ = ["PDDConnectorMetadata", "PDDHandshakeMetadata", "producer_addresses"]
+__all__ = ["PDDConnectorMetadata", "PDDHandshakeMetadata", "Heartbeat", "producer_addresses"]
 
 
 @dataclass
@@ -34,6 +34,16 @@ def producer_addresses(params: dict) -> list[str]:
     if params.get("pdd_addresses"):
         return list(params["pdd_addresses"])
     return [f"{params['remote_host']}:{int(params['remote_port']) + r}" for r in range(int(params.get("tp_size", 1)))]
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Where a consumer's heartbeats for one producer request go (every producer rank) and the
+    request's lease key, which the producer handed out with its KV (``pdd_lease_key``): only a
+    heartbeat bearing it starts the lease again."""
+
+    addresses: list[str]
+    lease_key: str
 
 
 @dataclass
@@ -55,8 +65,9 @@ class PDDConnectorMetadata(KVConnectorMetadata):
     pushes: dict[str, list[str]] = field(default_factory=dict)       # producer: req -> consumer rank addresses
     consumers: dict[str, int] = field(default_factory=dict)          # producer: req -> consumers to serve, if not 1
     send_deadlines: dict[str, float] = field(default_factory=dict)   # producer: finished req -> lease (s)
+    lease_keys: dict[str, str] = field(default_factory=dict)         # producer: finished req -> its lease key
     dropped_sends: set[str] = field(default_factory=set)             # producer: finished without a consumer
     preempted: set[str] = field(default_factory=set)                 # producer: staged copies gone stale
     loads: dict[str, _Load] = field(default_factory=dict)            # consumer: req -> what to pull
     cancelled_loads: dict[str, dict] = field(default_factory=dict)   # consumer: aborted before the pull
-    heartbeats: dict[str, list[str]] = field(default_factory=dict)   # consumer: producer req -> its ranks
+    heartbeats: dict[str, Heartbeat] = field(default_factory=dict)   # consumer: producer req -> its ranks, key

@@ -19,6 +19,7 @@ see :mod:`.layer_major`)::
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class _Staged:
     saved: bool = False                              # this step's save queued every layer's pack
     packs_done: "torch.cuda.Event | None" = None     # ... and they ran once it completes (None: they ran)
     deadline: float | None = None
+    lease_key: str | None = None     # what a heartbeat must bear to start the lease again
     consumers: int = 1
     shares: dict[tuple[str, str], Share] = field(default_factory=dict)
 
@@ -196,6 +198,7 @@ class ProducerWorker(WorkerBase):
         for req_id, lease in meta.send_deadlines.items():
             if req_id in self._staged:
                 self._staged[req_id].deadline = time.monotonic() + lease
+                self._staged[req_id].lease_key = meta.lease_keys.get(req_id)
                 self._finish_if_served(req_id)  # consumers may have been served within the last step
             elif req_id in self._unstaged:
                 self._unstaged[req_id] = (self._unstaged[req_id][0], time.monotonic() + lease)
@@ -240,10 +243,16 @@ class ProducerWorker(WorkerBase):
     def _on_alive(self, message: Message, msg: dict) -> None:
         """A consumer's heartbeat: it still waits for the request's KV, so its lease starts
         again (as vLLM's NixlConnector extends a lease on a heartbeat). Only a finished
-        request has a lease; one still prefilling needs none."""
+        request has a lease; one still prefilling needs none. Believed only with the request's
+        lease key: an engine the request was not handed to cannot keep its KV held."""
         staged = self._staged.get(msg["req"])
-        if staged is not None and staged.deadline is not None:
-            staged.deadline = max(staged.deadline, time.monotonic() + self.lease_s)
+        if staged is None or staged.deadline is None:
+            return
+        if staged.lease_key is None or not hmac.compare_digest(msg["key"], staged.lease_key):
+            log.warning("PDDConnector: ignored a heartbeat for %s from %s: not the request's lease key", msg["req"],
+                        message.sender)
+            return
+        staged.deadline = max(staged.deadline, time.monotonic() + self.lease_s)
 
     def _serve(self, req_id: str) -> None:
         staged = self._staged.get(req_id)

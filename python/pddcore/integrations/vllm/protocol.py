@@ -12,7 +12,8 @@ concerns under ``req``):
 * ``drop`` (consumer -> producer): consumer ``d_engine``'s request ``d_req`` needs nothing
   from this producer rank: it aborted before pulling, or (MLA) no rank of its TP size reads it;
 * ``alive`` (consumer -> producer, a heartbeat): a consumer still waits for ``req``'s KV, so
-  its lease starts again.
+  its lease starts again; ``key`` is the lease key of the producer's answer (``pdd_lease_key``),
+  which only an engine handed the request holds.
 
 Push mode (``req`` is the producer's request id, which also keys the layer stream):
 
@@ -41,7 +42,7 @@ MESSAGES = MessageSchema(MAGIC, "PDDConnector", key="req", key_check=is_str, kin
     "done": {"src": is_int},
     "fail": {"reason": is_str},
     "drop": {"d_req": is_str, "d_engine": is_str},
-    "alive": {},
+    "alive": {"key": is_hex},
     "reserve": {"nbytes": is_int, "num_layers": is_int, "reply": is_str},
     "reserved": {"region": is_hex, "offset": is_int},
     "refused": {"reason": is_str},

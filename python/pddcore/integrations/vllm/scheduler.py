@@ -14,19 +14,23 @@ answer adds ``"pdd_pushed": True``.
 A consumer's request heartbeats its producer from the moment it arrives until its KV is
 loaded (it may wait in the queue far longer than the producer's lease): every quarter of the
 lease its producer named (``pdd_lease_s``), the step's metadata lists it in ``heartbeats``
-and the workers send ``alive``, as vLLM's NixlConnector does.
+and the workers send ``alive``, as vLLM's NixlConnector does. A heartbeat bears the lease key
+the producer put in its answer (``pdd_lease_key``, 128 random bits per request): the producer
+starts the lease again only for a heartbeat bearing it, so no engine but one handed the
+request keeps its KV held.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from .metadata import PDDConnectorMetadata, _Load, producer_addresses
+from .metadata import Heartbeat, PDDConnectorMetadata, _Load, producer_addresses
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -48,7 +52,7 @@ class _Awaited:
     """A consumer request whose KV a producer keeps for it: heartbeat it every ``interval_s``."""
 
     remote_req: str
-    addresses: list[str]
+    heartbeat: Heartbeat
     interval_s: float
     next_s: float = 0.0
 
@@ -86,12 +90,15 @@ class SchedulerSide:
         try:
             addresses = producer_addresses(params)
             lease_s = float(params.get("pdd_lease_s", self.lease_s))
+            lease_key = params["pdd_lease_key"]
+            bytes.fromhex(lease_key)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("PDDConnector: %s: no producer to heartbeat in its kv_transfer_params (%s)",
                         request.request_id, exc)
             return
         if lease_s > 0:
-            self._awaited[request.request_id] = _Awaited(str(params["remote_request_id"]), addresses, lease_s / 4)
+            self._awaited[request.request_id] = _Awaited(str(params["remote_request_id"]),
+                                                         Heartbeat(addresses, lease_key), lease_s / 4)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         """A load that finished (or failed) needs its producer no more."""
@@ -132,7 +139,7 @@ class SchedulerSide:
         now = time.monotonic()
         for awaited in self._awaited.values():
             if now >= awaited.next_s:
-                meta.heartbeats[awaited.remote_req] = awaited.addresses
+                meta.heartbeats[awaited.remote_req] = awaited.heartbeat
                 awaited.next_s = now + awaited.interval_s
         # A preempted request lost its blocks; resumed, it is saved again from its new ones.
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
@@ -170,6 +177,7 @@ class SchedulerSide:
         if not block_ids:
             return False, None
         self._meta.send_deadlines[request.request_id] = self.lease_s
+        lease_key = self._meta.lease_keys[request.request_id] = secrets.token_hex(16)
         host, port = self._producer_address()
         # False: vLLM frees the blocks at once. The workers staged a copy of them when the
         # prefill completed (wait_for_save of that step), and serve every consumer from it.
@@ -177,6 +185,7 @@ class SchedulerSide:
                           remote_engine_id=self.engine_id, remote_request_id=request.request_id,
                           remote_host=host, remote_port=port, tp_size=self.tp_size,
                           remote_num_tokens=request.num_computed_tokens, pdd_lease_s=self.lease_s,
+                          pdd_lease_key=lease_key,
                           pdd_addresses=[self._addresses[r] for r in sorted(self._addresses)] or None,
                           **({"pdd_pushed": True} if pushed else {}))
 
