@@ -923,6 +923,52 @@ def test_generation_end_to_end_on_gpu(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_the_sender_on_gpu_packs_after_the_forward_without_waiting_for_it(monkeypatch):
+    """SGLang's forward stream still runs (a long kernel, then the writes of the request's
+    pages) when send() gets the early-send event after it: send() returns while that forward
+    runs (the scheduler thread never waits on the GPU), and the decode side receives the pages
+    as the forward wrote them (the pack ran after the forward, the write after the pack)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from pddcore import _C
+
+    if _C.cuda_unusable_reason():
+        pytest.skip(f"pddcore's CUDA kernels: {_C.cuda_unusable_reason()}")
+    monkeypatch.setenv("PDDCORE_SGLANG_STAGING_BYTES", str(16 << 20))
+    pair = Pair(device="cuda:0")
+    try:
+        assert pair.move(62, [1], [1]) == (KVPoll.Success, KVPoll.Success)  # warm: plans, registrations
+        sender, receiver = pair.start(63)
+        receiver.send_metadata(np.array([5, 6], dtype=np.int32), aux_index=1)
+        _wait(lambda: sender.poll() == KVPoll.WaitingForInput)
+        sender.init(2, aux_index=0)
+        written = [torch.randn(2 * PAGE, *plane.shape[1:], device=plane.device).to(plane.dtype)
+                   for plane in pair.src.planes]  # what the forward writes into pages 3 and 4
+        torch.cuda.synchronize()
+        forward = torch.cuda.Stream(torch.device("cuda", 0))
+        with torch.cuda.stream(forward):
+            torch.cuda._sleep(4_000_000_000)  # about 2 s of GPU time before the writes
+            for plane, values in zip(pair.src.planes, written):
+                plane[3 * PAGE:5 * PAGE].copy_(values)
+            forward_done = torch.cuda.Event()
+            forward_done.record(forward)
+        sender._early_send_wait_event = forward_done
+        sender.send(np.array([3, 4], dtype=np.int32))
+        returned_while_the_forward_ran = not forward_done.query()
+        _wait(lambda: sender.poll() in TERMINAL and receiver.poll() in TERMINAL)
+        assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+        assert returned_while_the_forward_ran
+        got = torch.from_numpy(pair.dst.snapshot())[:, [5, 6]]
+        want = torch.stack([values.view(torch.int16).cpu() for values in written]).view(got.shape)
+        assert torch.equal(got, want)
+        sender.clear()
+        receiver.clear()
+    finally:
+        torch.cuda.synchronize()
+        pair.close()
+
+
+@pytest.mark.gpu
 def test_the_decode_unpack_on_gpu_waits_for_itself_not_for_the_default_stream(monkeypatch):
     """GPU, SGLang's pools on cuda:0: a long kernel is queued on the default stream (where
     SGLang's scheduler queues its forward pass) and the prefill side packs on a stream of its

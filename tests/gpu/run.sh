@@ -15,7 +15,10 @@
 #    with a single engine (vLLM: eager, with CUDA graphs captured, full ones included, and in
 #    push mode); the vLLM connector's hooks with a second CUDA stream current, its KV from
 #    allocate_kv_cache on the GPU; the SGLang backend's decode-side unpack reaching Success on
-#    its own stream while a long kernel holds the default stream (SGLang's pools on the GPU); PDD through `pddcore serve` over three `vllm serve` processes (P,
+#    its own stream while a long kernel holds the default stream (SGLang's pools on the GPU),
+#    and its sender returning while a forward still writes the pages it sends, then sending
+#    what that forward wrote (the pack after SGLang's early-send event, the write posted from
+#    the manager's thread after the pack's event); PDD through `pddcore serve` over three `vllm serve` processes (P,
 #    RLD, MD with pddcore's connector) against a fourth, plain one, on the P_MD and P_RLD_MD
 #    routes, tokens compared and TTFT written to $out/serve-ttft.txt;
 # 3. runs the Triton kernels compiled for the GPU (not interpreted) against the torch reference;
