@@ -17,17 +17,26 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from . import _C
-
-if TYPE_CHECKING:
-    from .transfer import TransferEngine
 
 __all__ = ["RegionDescriptor", "Message", "Region", "Peer", "Transfer", "TransferError", "WriteSpec"]
 
 TransferError = _C.TransferError
 TransferError.__doc__ = "A transfer, connection or handshake failed; the message names the cause."
+
+
+class _Engine(Protocol):
+    """What a region and a peer know of the engine that made them (a TransferEngine; this
+    module does not import it, so that the dependency runs one way)."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def engine_id(self) -> int: ...
+
 
 _DESCRIPTOR = struct.Struct("<4sHQQQH")
 _DESCRIPTOR_MAGIC = b"PDDR"
@@ -84,7 +93,7 @@ class Region:
     """A registered memory range of a :class:`TransferEngine`: a write ``target`` (peers may
     write into it) or a source (only this engine reads it)."""
 
-    def __init__(self, engine: TransferEngine, region_id: int, base: int, nbytes: int, target: bool,
+    def __init__(self, engine: _Engine, region_id: int, base: int, nbytes: int, target: bool,
                  keep_alive: Any):
         self.engine = engine
         self.id = region_id
@@ -105,7 +114,7 @@ class Region:
 class Peer:
     """A connected peer engine (see :meth:`TransferEngine.connect`)."""
 
-    def __init__(self, engine: TransferEngine, core: Any, handle: Any):
+    def __init__(self, engine: _Engine, core: Any, handle: Any):
         self.engine = engine
         self._core = core
         self._handle = handle
