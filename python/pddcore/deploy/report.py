@@ -172,8 +172,8 @@ def explain(m: dict) -> str:
     hit = m["md_hit_followups"]
     if hit["count"]:
         lines.append(f"  follow-up turns: {100 * hit['min']:.1f} to {100 * hit['max']:.1f} % of the context in MD's "
-                     f"prefix cache, as the gateway's radix tree tracks it (median {100 * hit['p50']:.1f} %, {hit['count']} turns), so only their last "
-                     f"pages cross the WAN")
+                     f"prefix cache, as the gateway's radix tree tracks it (median {100 * hit['p50']:.1f} %, "
+                     f"{hit['count']} turns), so only their last pages cross the WAN")
     steps = [f"{role} {_ms(d['p50'])} ({d['count']} steps, {d['mean_batch']:.2f} requests per step on average)"
              for role, d in m["decode_step_s"].items() if d["count"]]
     if steps:
