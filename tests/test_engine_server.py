@@ -98,13 +98,15 @@ def test_a_write_to_a_decode_engine_that_went_away_is_retired_not_raised():
     from pddcore.transfer import TransferEngine, TransferError, new_auth_token
 
     token = new_auth_token()
-    # 8 Mbit/s: the 1 MiB write takes a second, so the decode engine is gone long before it ends.
+    # 8 Mbit/s: the 16 MiB write needs 16 s (more than any burst the pacer allows), so the
+    # decode engine is gone long before it ends.
+    nbytes = 16 << 20
     p, d = TransferEngine(auth_token=token, rate_limit_bps=8e6), TransferEngine(auth_token=token)
     try:
         producer = KvProducer(p, Model.default(seed=0).new_pool(8, 16), "p-test", lease_s=60)
-        dst = d.register(torch.zeros(1 << 20, dtype=torch.uint8), target=True).descriptor()
-        src = p.register(torch.ones(1 << 20, dtype=torch.uint8))
-        transfer = p.write(p.connect(d.address), src, 0, dst, 0, 1 << 20)
+        dst = d.register(torch.zeros(nbytes, dtype=torch.uint8), target=True).descriptor()
+        src = p.register(torch.ones(nbytes, dtype=torch.uint8))
+        transfer = p.write(p.connect(d.address), src, 0, dst, 0, nbytes)
         producer.sends.append(_Send(transfer, src, "r"))
         d.close()
         with pytest.raises(TransferError):
