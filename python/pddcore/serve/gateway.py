@@ -93,6 +93,7 @@ class RequestTrace:
     catch_up_rounds: int = 0
     resumes: list[str] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)  # plans dropped without a failure reaching the client
+    errors: list[str] = field(default_factory=list)  # the engine calls that failed, and why
     prefill_tokens: int | None = None  # prompt tokens P computed (not in its prefix cache), first prefill
     prefill_s: float | None = None  # the first prefill call, as the gateway timed it
     kv_usable_s: dict[str, float] = field(default_factory=dict)  # "rld" / "md": KV usable, after the prefill
@@ -442,6 +443,7 @@ class _Run:
 
     def _upstream_failed(self, e: UpstreamError) -> None:
         log.warning("%s: %s (delivered %d tokens)", self.rid, e, len(self.delivered))
+        self.trace.errors.append(f"{e} (at token {len(self.delivered)})")
         self.gw.metrics.upstream_errors.labels(role=e.upstream.role).inc()
         if e.upstream.role == "main":
             self.gw.index.forget(e.upstream)
