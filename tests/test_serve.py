@@ -35,7 +35,9 @@ ROUTES = {
     # The same with threshold 0: any backlog is caught up while RLD decodes, then a final handoff.
     "CATCH_UP": ["--ttft-slo-s", "0.001", "--wan-mbps", "100", "--catch-up-threshold", "0"],
     # RLD tokens priced so cheap that RLD finishes before MD's KV would land: nothing crosses the WAN.
-    "RLD_ONLY": ["--ttft-slo-s", "0.001", "--rld-tpot-s", "1e-7"],
+    # (A slow link too: on loopback the link poll soon measures an RTT near 0, and the KV of a
+    # short prompt at the default prior rate would then land within the tiny budget.)
+    "RLD_ONLY": ["--ttft-slo-s", "0.001", "--rld-tpot-s", "1e-7", "--wan-mbps", "100"],
 }
 
 
