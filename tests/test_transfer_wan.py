@@ -127,11 +127,7 @@ def test_streaming_sender_path_limited_rate_reads_the_link():
 @pytest.mark.parametrize("delay_ms, loss, algorithm, switches", [
     (10, 0.0, "bbr", 0),     # 20 ms RTT: a long path from the handshake on
     (1, 0.0, "cubic", 0),    # 2 ms RTT, clean: a short path
-    # 2 ms RTT, 3 % of packets lost: cubic at first, bbr once it loses them. Known regression
-    # of 2026-12-03 (issue 27): most runs now end on cubic with no switch, since that day's
-    # delivery-meter and stream changes; not a strict xfail while the cause is unknown.
-    pytest.param(1, 0.03, "bbr", 1, marks=pytest.mark.xfail(
-        strict=False, reason="regression of 2026-12-03: the loss-driven switch to bbr often does not happen")),
+    (1, 0.03, "bbr", 1),     # 2 ms RTT, 3 % of packets lost: cubic at first, bbr once it loses them
 ], ids=["long", "short", "short-lossy"])
 def test_auto_congestion_control_follows_the_path(delay_ms, loss, algorithm, switches):
     with WanLink(rate="1gbit", delay_ms=delay_ms, loss=loss, seed=1) as link, \
