@@ -2,7 +2,8 @@
 
 Per request: estimate how much of the context each MD holds (:mod:`.placement`), let
 :class:`pddcore.router.Router` pick the pipeline, then run it through the engines' own
-HTTP API (:mod:`.upstream`):
+HTTP API. How KV moves from P to a decode engine is the dialect's, in one policy object of
+:mod:`.pipelines`; below is vLLM's (SGLang's pairs every step with P instead):
 
 * ``P_MD`` — P prefills with ``{"do_remote_decode": true}``; MD decodes with the params P
   returned, pulling across the WAN only the pages its prefix cache lacks.
@@ -42,6 +43,7 @@ from typing import AsyncIterator, Sequence
 from ..handoff import HandoffMode, HandoffPolicy, HandoffState
 from ..router import BandwidthEstimator, Pipeline, RouteRequest, Router, RouterConfig
 from .metrics import GatewayMetrics
+from .pipelines import SGLangPipeline, VllmPipeline
 from .placement import PrefixIndex, choose_main, least_loaded
 from .upstream import Upstream, UpstreamError
 
@@ -105,13 +107,15 @@ class Gateway:
     """Engines by role and the state that routing reads; :meth:`generate` serves one request."""
 
     def __init__(self, prefill: Sequence[Upstream], relay: Sequence[Upstream], main: Sequence[Upstream],
-                 config: GatewayConfig, metrics: GatewayMetrics | None = None):
+                 config: GatewayConfig, metrics: GatewayMetrics | None = None,
+                 pipeline: VllmPipeline | SGLangPipeline | None = None):
         if not prefill:
             raise ValueError("the gateway needs at least one prefill engine")
         if not relay and not main:
             raise ValueError("the gateway needs at least one relay or main decode engine")
         self.prefill, self.relay, self.main = list(prefill), list(relay), list(main)
         self.config = config
+        self.pipeline = pipeline or VllmPipeline()
         self.metrics = metrics or GatewayMetrics()
         self.router = Router(RouterConfig(kv_bytes_per_token=config.kv_bytes_per_token, ttft_slo_s=config.ttft_slo_s,
                                           rld_tpot_s=config.rld_tpot_s))
@@ -210,38 +214,39 @@ class _Run:
         return route.pipeline, (f"{route.reason} (link estimate {link.bytes_per_s * 8 / 1e6:.0f} Mbit/s, "
                                 f"RTT {link.rtt_s * 1e3:.0f} ms)")
 
-    # ---- legs ---------------------------------------------------------------------------------
-    def _leg_id(self, what: str) -> str:
+    # ---- what the pipelines (.pipelines) call -------------------------------------------------
+    def leg_id(self, what: str) -> str:
         self._legs += 1
         return f"{self.rid}-{what}{self._legs}"
 
-    def _continuation(self) -> tuple[list[int], dict]:
+    def continuation(self) -> tuple[list[int], dict]:
+        """The context so far (prompt and delivered tokens) and the sampling of the rest."""
         return self.prompt + self.delivered, {**self.sampling, "max_tokens": self.max_tokens - len(self.delivered)}
 
-    async def _prefill(self, context: list[int], consumers: int = 1) -> dict:
-        """P prefills ``context`` and keeps its KV for ``consumers`` pulls; returns the pulls' params."""
-        tried: list[Upstream] = []
-        while (p := least_loaded(self.gw.prefill, tried)) is not None:
-            tried.append(p)
-            started = time.monotonic()
-            try:
-                answer = await p.generate(self._leg_id("p"), context, {**self.sampling, "max_tokens": 1},
-                                          {"do_remote_decode": True, "pdd_consumers": consumers})
-            except UpstreamError as e:
-                self.gw.metrics.upstream_errors.labels(role="prefill").inc()
-                log.warning("%s: %s", self.rid, e)
-                if not e.unreachable:  # the engine refused the request itself: a 4xx is the client's to fix
-                    raise GatewayError(400 if e.status and 400 <= e.status < 500 else 502, str(e)) from None
-                continue
-            if not answer.kv_transfer_params:
-                raise GatewayError(502, f"prefill engine {p.url} returned no kv_transfer_params: is its KV "
-                                        "connector configured as a producer?")
-            self.prefilled_at = time.monotonic()
-            if self.trace.prefill_s is None:
-                self.trace.prefill_s = self.prefilled_at - started
-                self.trace.prefill_tokens = len(context) - (answer.cached_tokens or 0)
-            return answer.kv_transfer_params
-        raise GatewayError(503, f"no prefill engine is reachable ({', '.join(u.url for u in self.gw.prefill)})")
+    def pick_prefill(self, tried: list[Upstream]) -> Upstream:
+        """The least loaded P not yet ``tried`` (which it joins); GatewayError when none is left."""
+        p = least_loaded(self.gw.prefill, tried)
+        if p is None:
+            raise GatewayError(503, f"no prefill engine is reachable ({', '.join(u.url for u in self.gw.prefill)})")
+        tried.append(p)
+        return p
+
+    def prefill_failed(self, e: UpstreamError) -> None:
+        """A P call failed: returns when another P may take it (P was unreachable)."""
+        self.gw.metrics.upstream_errors.labels(role="prefill").inc()
+        log.warning("%s: %s", self.rid, e)
+        if not e.unreachable:  # the engine refused the request itself: a 4xx is the client's to fix
+            self.refuse(400 if e.status and 400 <= e.status < 500 else 502, str(e))
+
+    def refuse(self, status: int, message: str) -> None:
+        raise GatewayError(status, message)
+
+    def prefilled(self, context: list[int], cached_tokens: int | None, started: float) -> None:
+        """P answered a prefill of ``context`` started at ``started``."""
+        self.prefilled_at = time.monotonic()
+        if self.trace.prefill_s is None:
+            self.trace.prefill_s = self.prefilled_at - started
+            self.trace.prefill_tokens = len(context) - (cached_tokens or 0)
 
     def _deliver(self, ids: list[int], source: str) -> list[int]:
         ids = ids[:self.max_tokens - len(self.delivered)]
@@ -256,12 +261,12 @@ class _Run:
         self.gw.metrics.tokens.labels(source=source).inc(len(ids))
         return ids
 
-    async def _stream(self, engine: Upstream, source: str, kv: dict | None = None) -> AsyncIterator[list[int]]:
-        """Streams the continuation of the delivered tokens from ``engine`` until it finishes."""
-        context, sampling = self._continuation()
-        async with aclosing(engine.stream(self._leg_id(source.lower()), context, sampling, kv)) as chunks:
+    async def _stream(self, engine_chunks, source: str, pulled: bool) -> AsyncIterator[list[int]]:
+        """Delivers a pipeline step's stream of the continuation until it finishes; ``pulled``:
+        the engine pulled P's KV first."""
+        async with aclosing(engine_chunks) as chunks:
             async for ids, finish in chunks:
-                if kv is not None:
+                if pulled:
                     self._kv_usable(source.lower())  # its first token: the engine has pulled the KV
                 ids = self._deliver(ids, source)
                 if ids:
@@ -288,10 +293,9 @@ class _Run:
         """P prefills, ``decoder`` pulls and decodes; a failure continues elsewhere."""
         if decoder is None:
             raise GatewayError(503, f"no {source} engine is reachable")
-        kv = await self._prefill(self.prompt)
         started = time.monotonic()
         try:
-            async with aclosing(self._stream(decoder, source, kv)) as chunks:
+            async with aclosing(self._stream(self.gw.pipeline.decode(self, decoder, source), source, True)) as chunks:
                 async for ids in chunks:
                     if source == "MD" and self.md_holds == 0:
                         self._md_pulled(started)
@@ -317,14 +321,13 @@ class _Run:
             self.gw.estimator.observe(self.md.url, nbytes, bulk_s)
         self.gw.index.record(self.md, self.prompt)
 
-    async def _prefetch(self, kv: dict) -> bool:
-        """MD pulls what it lacks of P's KV (``kv``: P's params) and keeps it; True once MD
-        holds the prompt."""
+    async def _prefetch(self, prefilled: asyncio.Future) -> bool:
+        """Once P holds the prompt's KV (``prefilled`` resolves with what the pipeline needs to
+        reach it), MD pulls what it lacks and keeps it; True once MD holds the prompt."""
+        ticket = await prefilled
         started = time.monotonic()
         try:
-            await asyncio.wait_for(self.md.generate(self._leg_id("md-prefetch"), self.prompt,
-                                                    {**self.sampling, "max_tokens": 1}, kv),
-                                   self.gw.config.prefetch_timeout_s)
+            await asyncio.wait_for(self.gw.pipeline.prefetch(self, self.md, ticket), self.gw.config.prefetch_timeout_s)
         except (UpstreamError, asyncio.TimeoutError) as e:
             timeout = isinstance(e, asyncio.TimeoutError)
             self._fallback("md_prefetch_timeout" if timeout else "md_prefetch_failed",
@@ -339,20 +342,20 @@ class _Run:
         """MD computes the KV of the context plus the first ``upto`` delivered tokens (one
         extend pass over what its cache lacks) and keeps it; returns the tokens it holds."""
         context = self.prompt + self.delivered[:upto]
-        await self.md.generate(self._leg_id("md-extend"), context, {**self.sampling, "max_tokens": 1})
+        await self.gw.pipeline.extend(self, self.md, context)
         self.gw.index.record(self.md, context)
         return len(context)
 
     async def _p_rld_md(self) -> AsyncIterator[list[int]]:
         gw, policy = self.gw, self.gw.config.policy
         rld = least_loaded(gw.relay)
-        kv = await self._prefill(self.prompt, consumers=2)  # one prefill, pulled by RLD and by MD
-        prefetch = asyncio.ensure_future(self._prefetch(kv))
+        prefilled = asyncio.get_running_loop().create_future()
+        prefetch = asyncio.ensure_future(self._prefetch(prefilled))
         extend: asyncio.Task | None = None
         final: HandoffMode | None = None
         try:
             try:
-                async with aclosing(self._stream(rld, "RLD", kv)) as rld_tokens:
+                async with aclosing(self._stream(gw.pipeline.relay(self, rld, prefilled), "RLD", True)) as rld_tokens:
                     async for ids in rld_tokens:
                         yield ids
                         if extend is not None and extend.done():
@@ -404,7 +407,7 @@ class _Run:
         self.gw.metrics.handoffs.labels(kind=kind).inc()
         last_rld = self.last_at
         try:
-            async with aclosing(self._stream(self.md, "MD")) as chunks:
+            async with aclosing(self._stream(self.gw.pipeline.resume_on_md(self, self.md), "MD", False)) as chunks:
                 async for ids in chunks:
                     if self.trace.handoff_gap_s is None and last_rld is not None:
                         self.trace.handoff_gap_s = time.monotonic() - last_rld
@@ -429,10 +432,8 @@ class _Run:
                 raise GatewayError(503, f"{why} and no decode engine is reachable")
             self.trace.resumes.append(f"{why}: resumed on {source} at token {len(self.delivered)}")
             gw.metrics.resumes.labels(reason=why.split(" ")[0].lower() + "_failed").inc()
-            context, _ = self._continuation()
-            kv = await self._prefill(context)
             try:
-                async with aclosing(self._stream(decoder, source, kv)) as chunks:
+                async with aclosing(self._stream(gw.pipeline.decode(self, decoder, source), source, True)) as chunks:
                     async for ids in chunks:
                         yield ids
             except UpstreamError as e:
