@@ -22,6 +22,9 @@ from .. import set_num_threads
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=("prefill", "decode"), required=True,
                         help="prefill: keeps KV for decode engines to pull; decode: pulls it")
+    parser.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm",
+                        help="the HTTP dialect: vllm (/inference/v1/generate with kv_transfer_params) or sglang "
+                             "(/generate with the bootstrap fields of SGLang's PD mode); default vllm")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port; default 8000)")
     parser.add_argument("--model", default=None, help="Hugging Face folder (llama / qwen2); default: the embedded model")
@@ -53,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from ..transfer import TransferEngine
     from .scheduler import Scheduler
     from .server import EngineServer
+    from .sglang_server import SGLangEngineServer
 
     torch.set_num_threads(1)  # small ops on a shared CPU: extra threads only contend
     set_num_threads(1)
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     scheduler = Scheduler(model, pool_pages=args.pool_pages, page_size=args.page_size, transfer=transfer,
                           engine_id=f"{args.role}-{uuid.uuid4().hex[:12]}", lease_s=args.lease_s,
                           pull_timeout_s=args.pull_timeout_s, advertise=args.transfer_advertise)
-    server = EngineServer(args.role, model, scheduler, model_name=args.served_model_name)
+    server_class = SGLangEngineServer if args.dialect == "sglang" else EngineServer
+    server = server_class(args.role, model, scheduler, model_name=args.served_model_name)
 
     async def serve() -> None:
         runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)

@@ -11,6 +11,12 @@ only once every byte was verified and applied. A refused pull is answered ``EERR
 ``{"do_remote_decode": true, "pdd_consumers": N}`` keeps the KV for N pulls (RLD's and MD's,
 in PDD), as pddcore's vLLM connector does.
 
+SGLang's dialect pairs the two engines up front instead (:mod:`.sglang_server`): the gateway
+sends both the same request at once, and the decode engine may ask for the pages before the
+prefill engine has computed them. Such a pull says ``"wait": true``; the producer then keeps
+it until the lease appears (and serves it at once) or ``lease_s`` passes (and refuses it), as
+SGLang's prefill side keeps a decode side's registration until its request is prefilled.
+
 Who may do what: a pull names the target region and the address to write to; the producer
 writes only to the engine that asked (the message's sender id must be the id of the engine
 at that address), and the consumer believes a completion only as the write notification of
@@ -87,6 +93,7 @@ class KvProducer:
         self.advertise = advertise or engine.address  # what decode engines dial
         self.peers = PeerCache(engine)
         self.leases: dict[str, _Lease] = {}
+        self.parked: dict[str, list[tuple[Message, dict, Peer, float]]] = {}  # rid -> pulls waiting for its lease
         self.sends: list[_Send] = []
         self.pulls_served = 0
         self.sends_failed = 0
@@ -98,6 +105,8 @@ class KvProducer:
         self.pool.allocator.retain(pages)
         self._drop(rid)
         self.leases[rid] = _Lease(list(pages), num_tokens, time.monotonic() + self.lease_s, pulls)
+        for message, body, _, _ in self.parked.pop(rid, ()):
+            self.serve(message, body)
         host, _, port = self.advertise.rpartition(":")
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                 "remote_host": host, "remote_port": int(port), "remote_request_id": rid,
@@ -119,6 +128,9 @@ class KvProducer:
         if peer.engine_id != message.sender_engine_id:
             return  # the asker named another engine's address: never write for it
         lease = self.leases.get(rid)
+        if lease is None and body.get("wait") is True and isinstance(rid, str):
+            self.parked.setdefault(rid, []).append((message, body, peer, time.monotonic() + self.lease_s))
+            return
         error = None
         if lease is None:
             error = f"no KV held for request {rid!r} (never prefilled here, already pulled, or the lease ended)"
@@ -160,10 +172,17 @@ class KvProducer:
         now = time.monotonic()
         for rid in [r for r, lease in self.leases.items() if lease.expires <= now]:
             self._drop(rid)
+        for rid, waiting in list(self.parked.items()):
+            for _, body, peer, _ in [w for w in waiting if w[3] <= now]:
+                error = f"request {rid!r} was not prefilled here within {self.lease_s:g} s"
+                self.engine.send(peer, _encode(FAIL, {"pull_id": body.get("pull_id"), "error": error}))
+            self.parked[rid] = [w for w in waiting if w[3] > now]
+            if not self.parked[rid]:
+                del self.parked[rid]
 
     @property
     def busy(self) -> bool:
-        return bool(self.sends or self.leases)
+        return bool(self.sends or self.leases or self.parked)
 
     def _drop(self, rid: str) -> None:
         lease = self.leases.pop(rid, None)
@@ -222,7 +241,7 @@ class KvConsumer:
         self.pending[pull_id] = pull
         self.engine.send(peer, _encode(PULL, {"rid": remote_rid, "pull_id": pull_id, "first_page": first_page,
                                               "num_pages": num_pages, "dst": region.descriptor().hex(),
-                                              "reply_to": self.advertise}))
+                                              "reply_to": self.advertise, "wait": params.get("wait") is True}))
         return pull
 
     def on_message(self, message: Message, kind: str, body: dict) -> PendingPull | None:

@@ -52,6 +52,7 @@ class GenerationRequest:
     remote_prefill: dict | None = None  # kv_transfer_params of a producer: pull the prompt's KV
     remote_decode: bool = False  # keep the prompt's KV for decode engines to pull ...
     consumers: int = 1  # ... this many times
+    lease_key: str | None = None  # the name decode engines pull the KV by (default: rid)
 
 
 @dataclass
@@ -285,7 +286,7 @@ class Scheduler:
         params = None
         if req.remote_decode:
             prompt_pages = act.seq.pages[:self.pool.pages_for(len(req.token_ids))]
-            params = self.producer.lease(req.rid, prompt_pages, len(req.token_ids), req.consumers)
+            params = self.producer.lease(req.lease_key or req.rid, prompt_pages, len(req.token_ids), req.consumers)
         cache_sequence(self.pool, self.cache, req.token_ids + act.outputs[:-1], act.seq)
         self.pool.release(act.seq)
         self.counts["finished"] += 1

@@ -70,7 +70,8 @@ class EngineServer:
         return app
 
     # ---- generation ------------------------------------------------------------------------
-    def _request(self, rid: str, token_ids: list[int], sampling: dict, kv: dict | None, emit) -> GenerationRequest:
+    def _request(self, rid: str, token_ids: list[int], sampling: dict, kv: dict | None, emit,
+                 lease_key: str | None = None) -> GenerationRequest:
         vocab = self.model.config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if not token_ids or bad:
@@ -105,15 +106,17 @@ class EngineServer:
             seed=secrets.randbits(63) if seed is None else int(seed), emit=emit,
             ignore_eos=bool(sampling.get("ignore_eos", False)),
             stop_token_ids=frozenset(int(t) for t in sampling.get("stop_token_ids") or ()),
-            remote_prefill=remote_prefill, remote_decode=remote_decode, consumers=consumers)
+            remote_prefill=remote_prefill, remote_decode=remote_decode, consumers=consumers, lease_key=lease_key)
 
-    async def _run(self, rid: str, token_ids: list[int], sampling: dict, kv: dict | None) -> AsyncIterator[tuple]:
+    async def _run(self, rid: str, token_ids: list[int], sampling: dict, kv: dict | None,
+                   lease_key: str | None = None) -> AsyncIterator[tuple]:
         """The request's events: ``("tokens", ids)``..., then ``("finish", reason, kv_params,
         cached_tokens)``. Raises GenerationFailed on an engine-side failure; leaving early
         cancels the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        req = self._request(rid, token_ids, sampling, kv, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        req = self._request(rid, token_ids, sampling, kv, lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
+                            lease_key)
         self.scheduler.submit(req)
         finished = False
         try:
