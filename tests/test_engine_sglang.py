@@ -124,6 +124,19 @@ def test_requests_sglang_refuses_are_refused_with_its_error_shape(engines, body,
     assert api.ErrorBody.from_json_value(r.json()["error"]).message
 
 
+def test_a_room_no_prefill_engine_fills_fails_the_decode_request_after_the_lease_time(engines):
+    p = engine("prefill", "--dialect", "sglang", "--lease-s", "1")
+    try:
+        port = p.get("/server_info")["disaggregation_bootstrap_port"]
+        r = requests.post(engines["d"].url + "/generate", timeout=60, json=generate_body(
+            "lonely", [20, 21] * 20, {"max_tokens": 3}, {"bootstrap_host": "127.0.0.1", "bootstrap_port": port,
+                                                         "bootstrap_room": 77}, False))
+        assert r.status_code == 502 and "was not prefilled here within 1 s" in r.json()["error"]["message"], r.text
+        assert p.get("/pdd/state")["leases"] == 0
+    finally:
+        p.stop()
+
+
 def test_streamed_output_ids_are_read_whole_or_incremental():
     """SGLang streams all the output so far, or only the new tokens with
     --incremental-streaming-output; the gateway reads both as the same tokens."""

@@ -1,6 +1,8 @@
 """`pddcore serve` end to end: the official `openai` client against the gateway over real
 reference engine processes (`pddcore engine`) on loopback. Every output is compared with
-one engine generating the same request alone (the oracle)."""
+one engine generating the same request alone (the oracle). The tests that take ``cluster``
+run twice: over engines in vLLM's dialect (``--engine reference``) and in SGLang's PD
+dialect (``pddcore engine --dialect sglang``, ``--engine sglang``)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,26 @@ def engines():
         proc.stop()
 
 
+ENGINE_ARGS = {"reference": (), "sglang": ("--dialect", "sglang")}
+
+
+def dialect_args(dialect: str, engines) -> list[str]:
+    """The gateway's options for engines of ``dialect`` (SGLang reports no KV size: give it)."""
+    if dialect == "reference":
+        return []
+    return ["--kv-bytes-per-token", str(engines["oracle"].get("/pdd/info")["kv_bytes_per_token"])]
+
+
+@pytest.fixture(scope="module")
+def sglang_engines(engines):
+    """P, RLD and MD in SGLang's dialect; the oracle is the same model in vLLM's."""
+    procs = {name: engine(role, *ENGINE_ARGS["sglang"]) for name, role in
+             (("p", "prefill"), ("rld", "decode"), ("md", "decode"))}
+    yield {"oracle": engines["oracle"], **procs}
+    for proc in procs.values():
+        proc.stop()
+
+
 # Router settings that pin each pipeline (the embedded model's KV is 8 KiB per token):
 ROUTES = {
     # MD's KV is ready within any TTFT budget: P -> MD.
@@ -41,13 +63,38 @@ ROUTES = {
 }
 
 
+def route_gateways(e, dialect: str):
+    return {name: gateway([e["p"].url], [e["rld"].url], [e["md"].url], *args, *dialect_args(dialect, e),
+                          dialect=dialect) for name, args in ROUTES.items()}
+
+
 @pytest.fixture(scope="module")
 def gateways(engines):
-    e = engines
-    procs = {name: gateway([e["p"].url], [e["rld"].url], [e["md"].url], *args) for name, args in ROUTES.items()}
+    procs = route_gateways(engines, "reference")
     yield procs
     for proc in procs.values():
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def sglang_gateways(sglang_engines):
+    procs = route_gateways(sglang_engines, "sglang")
+    yield procs
+    for proc in procs.values():
+        proc.stop()
+
+
+@pytest.fixture(params=["reference", "sglang"])
+def dialect(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def cluster(request, dialect):
+    """(engines, gateways) of one dialect."""
+    if dialect == "sglang":
+        return request.getfixturevalue("sglang_engines"), request.getfixturevalue("sglang_gateways")
+    return request.getfixturevalue("engines"), request.getfixturevalue("gateways")
 
 
 def prompt_of(rng: random.Random, n: int | None = None) -> list[int]:
@@ -84,7 +131,8 @@ def stream_tokens(gw, prompt, max_tokens: int, *, on_tokens=None, **kwargs) -> t
 
 
 @pytest.mark.parametrize("route", ["P_MD", "P_RLD_MD", "RLD_ONLY"])
-def test_openai_stream_is_one_engines_output_on_every_route(engines, gateways, route):
+def test_openai_stream_is_one_engines_output_on_every_route(cluster, route):
+    engines, gateways = cluster
     rng = random.Random(route)
     prompt = prompt_of(rng)
     ids, _, trace = stream_tokens(gateways[route], prompt, 160)
@@ -100,7 +148,8 @@ def test_openai_stream_is_one_engines_output_on_every_route(engines, gateways, r
         assert set(sources) == {"MD" if route == "P_MD" else "RLD"}
 
 
-def test_catch_up_rounds_then_a_final_handoff(engines, gateways):
+def test_catch_up_rounds_then_a_final_handoff(cluster):
+    engines, gateways = cluster
     prompt = prompt_of(random.Random(7), 90)
     ids, _, trace = stream_tokens(gateways["CATCH_UP"], prompt, 240)
     assert ids == oracle(engines, prompt, 240)
@@ -108,14 +157,16 @@ def test_catch_up_rounds_then_a_final_handoff(engines, gateways):
     assert trace["sources"][-1] == "MD"
 
 
-def test_sampled_continuation_keeps_the_seeded_stream(engines, gateways):
+def test_sampled_continuation_keeps_the_seeded_stream(cluster):
+    engines, gateways = cluster
     prompt = prompt_of(random.Random(11))
     ids, _, trace = stream_tokens(gateways["P_RLD_MD"], prompt, 150, temperature=0.9, seed=1234)
     assert trace["handoffs"], trace
     assert ids == oracle(engines, prompt, 150, temperature=0.9, seed=1234)
 
 
-def test_text_prompts_chat_and_whole_answers(engines, gateways):
+def test_text_prompts_chat_and_whole_answers(cluster):
+    engines, gateways = cluster
     gw, oracle_url = gateways["P_MD"], engines["oracle"].url
     whole = client(gw).completions.create(model=MODEL, prompt="The WAN is slow, so", max_tokens=12,
                                           temperature=0, extra_body={"return_token_ids": True})
@@ -144,7 +195,8 @@ def test_text_prompts_chat_and_whole_answers(engines, gateways):
     assert streamed == expected and content == chat.choices[0].message.content
 
 
-def test_follow_up_turn_pulls_only_the_suffix(engines, gateways):
+def test_follow_up_turn_pulls_only_the_suffix(cluster):
+    engines, gateways = cluster
     gw, md = gateways["P_MD"], engines["md"]
     info = engines["p"].get("/pdd/info")
     page, page_bytes = info["page_size"], int(info["kv_bytes_per_token"] * info["page_size"])
@@ -161,6 +213,34 @@ def test_follow_up_turn_pulls_only_the_suffix(engines, gateways):
     pulled = md.get("/pdd/state")["bytes_received"] - before
     assert pulled == ((len(turn2) - 1) // page - held // page) * page_bytes  # only the suffix crossed
     assert out2 == oracle(engines, turn2, 30)
+
+
+def test_sglang_handoff_moves_only_the_pages_of_the_handed_off_tokens(sglang_engines, sglang_gateways):
+    """In SGLang's dialect MD cannot prefill: the handoff is a P + MD pair over the context and
+    the client's tokens, and MD's decode-side prefix cache (the prompt, from its prefetch)
+    leaves only the pages past the prompt to cross; P computes those tokens."""
+    e = sglang_engines
+    info = e["oracle"].get("/pdd/info")
+    page, page_bytes = info["page_size"], int(info["kv_bytes_per_token"] * info["page_size"])
+    prompt = prompt_of(random.Random(29), 95)  # 15 tokens past 5 whole pages: from 2 handed-off tokens on, a page
+    before, wan_before = e["md"].get("/pdd/state"), wan_kv_bytes(sglang_gateways["P_RLD_MD"])
+    ids, _, trace = stream_tokens(sglang_gateways["P_RLD_MD"], prompt, 120)
+    assert ids == oracle(e, prompt, 120) and [h[0] for h in trace["handoffs"]] == ["one_shot"], trace
+    at = trace["handoffs"][0][1]
+    after = e["md"].get("/pdd/state")
+    prefetched = (len(prompt) - 1) // page  # MD lacked the whole prompt
+    handed_off = (len(prompt) + at - 1) // page - len(prompt) // page  # past the prompt's cached pages
+    assert after["bytes_received"] - before["bytes_received"] == (prefetched + handed_off) * page_bytes
+    assert after["pulls_done"] - before["pulls_done"] == 1 + (handed_off > 0)
+    assert after["requests"] - before["requests"] == 2  # MD's prefetch and its continuation
+    # the gateway counts both crossings: the prompt's KV (prefetch) and the handed-off tokens'
+    assert wan_kv_bytes(sglang_gateways["P_RLD_MD"]) - wan_before == (len(prompt) + at) * info["kv_bytes_per_token"]
+
+
+def wan_kv_bytes(gw) -> float:
+    text = requests.get(gw.url + "/metrics", timeout=30).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "pddcore_wan_kv_bytes_total")
 
 
 def test_metrics_are_prometheus_text_and_count_what_happened(engines):
@@ -193,8 +273,8 @@ def test_metrics_are_prometheus_text_and_count_what_happened(engines):
     ({"prompt": [20, 99999], "max_tokens": 2}, "token ids must be in"),
     ({"prompt": [20, "x"]}, "token ids"),
 ])
-def test_bad_requests_get_a_400_that_says_why(gateways, body, words):
-    url = gateways["P_MD"].url + "/v1/completions"
+def test_bad_requests_get_a_400_that_says_why(cluster, body, words):
+    url = cluster[1]["P_MD"].url + "/v1/completions"
     r = requests.post(url, data=body, timeout=30) if isinstance(body, str) else requests.post(url, json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"]
@@ -205,7 +285,8 @@ def test_bad_chat_request_raises_in_the_openai_client(gateways):
         client(gateways["P_MD"]).chat.completions.create(model=MODEL, messages=[{"role": "user"}])
 
 
-def test_client_disconnect_cancels_the_engine_request(engines, gateways):
+def test_client_disconnect_cancels_the_engine_request(cluster):
+    engines, gateways = cluster
     rld = engines["rld"]
     before = rld.get("/pdd/state")["cancelled"]
     with requests.post(gateways["RLD_ONLY"].url + "/v1/completions", stream=True, timeout=60,
@@ -221,15 +302,18 @@ def test_client_disconnect_cancels_the_engine_request(engines, gateways):
 
 # ---- faults, each on engines of its own -------------------------------------------------------
 @pytest.fixture
-def spare(engines):
-    """A fresh decode engine that a test may kill."""
-    proc = engine("decode")
+def spare(request):
+    """A fresh decode engine that a test may kill (in the test's dialect, if it has one)."""
+    proc = engine("decode", *ENGINE_ARGS[request.getfixturevalue("dialect") if "dialect" in request.fixturenames
+                                         else "reference"])
     yield proc
     proc.stop()
 
 
-def test_md_killed_mid_stream_resumes_on_rld(engines, spare):
-    gw = gateway([engines["p"].url], [engines["rld"].url], [spare.url], *ROUTES["P_MD"])
+def test_md_killed_mid_stream_resumes_on_rld(cluster, dialect, spare):
+    engines = cluster[0]
+    gw = gateway([engines["p"].url], [engines["rld"].url], [spare.url], *ROUTES["P_MD"],
+                 *dialect_args(dialect, engines), dialect=dialect)
     try:
         prompt = prompt_of(random.Random(13))
         ids, _, trace = stream_tokens(gw, prompt, 200, on_tokens=lambda got: len(got) >= 20 and
@@ -240,8 +324,10 @@ def test_md_killed_mid_stream_resumes_on_rld(engines, spare):
     assert trace["resumes"] and trace["sources"][0] == "MD" and trace["sources"][-1] == "RLD", trace
 
 
-def test_rld_killed_before_the_handoff_continues_on_md(engines, spare):
-    gw = gateway([engines["p"].url], [spare.url], [engines["md"].url], *ROUTES["RLD_ONLY"])
+def test_rld_killed_before_the_handoff_continues_on_md(cluster, dialect, spare):
+    engines = cluster[0]
+    gw = gateway([engines["p"].url], [spare.url], [engines["md"].url], *ROUTES["RLD_ONLY"],
+                 *dialect_args(dialect, engines), dialect=dialect)
     try:
         prompt = prompt_of(random.Random(17))
         ids, _, trace = stream_tokens(gw, prompt, 120, on_tokens=lambda got: len(got) >= 15 and
@@ -253,10 +339,12 @@ def test_rld_killed_before_the_handoff_continues_on_md(engines, spare):
 
 
 @pytest.mark.parametrize("how", ["unreachable", "pull_timeout"])
-def test_md_that_cannot_take_over_leaves_the_request_on_rld(engines, how):
+def test_md_that_cannot_take_over_leaves_the_request_on_rld(cluster, dialect, how):
+    engines = cluster[0]
     main = "http://127.0.0.1:1" if how == "unreachable" else engines["md"].url
     extra = ["--prefetch-timeout-s", "0.001"] if how == "pull_timeout" else []
-    gw = gateway([engines["p"].url], [engines["rld"].url], [main], *ROUTES["P_RLD_MD"], *extra)
+    gw = gateway([engines["p"].url], [engines["rld"].url], [main], *ROUTES["P_RLD_MD"], *extra,
+                 *dialect_args(dialect, engines), dialect=dialect)
     try:
         prompt = prompt_of(random.Random(how))
         ids, _, trace = stream_tokens(gw, prompt, 80)
@@ -273,9 +361,11 @@ def test_md_that_cannot_take_over_leaves_the_request_on_rld(engines, how):
         assert trace["pipeline"] == "P_RLD_MD" and trace["fallbacks"], trace
 
 
-def test_prefill_down_is_a_clear_error(engines):
+def test_prefill_down_is_a_clear_error(cluster, dialect):
+    engines = cluster[0]
+    bootstrap = ["--bootstrap-port", "8998"] if dialect == "sglang" else []  # P cannot tell it: it is down
     gw = gateway(["http://127.0.0.1:1"], [engines["rld"].url], [engines["md"].url], "--kv-bytes-per-token", "8192",
-                 "--page-size", "16")
+                 "--page-size", "16", *bootstrap, dialect=dialect)
     try:
         with pytest.raises(openai.APIStatusError, match="no prefill engine is reachable") as caught:
             client(gw).completions.create(model=MODEL, prompt=[20, 21, 22], max_tokens=4, stream=True)

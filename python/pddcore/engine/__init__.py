@@ -1,14 +1,16 @@
 """`pddcore.engine`: a reference inference engine server on the CPU (``pddcore engine``).
 
 It serves the subset of vLLM's HTTP dialect that a PDD gateway (:mod:`pddcore.serve`)
-drives — tokens in / tokens out, OpenAI completions, ``kv_transfer_params`` — over
+drives — tokens in / tokens out, OpenAI completions, ``kv_transfer_params`` — or, with
+``--dialect sglang``, SGLang's PD-mode ``/generate`` with bootstrap rooms, over
 :mod:`pddcore.model`, so the whole PDD flow runs end to end without a GPU, in CI and
 across the emulated WAN. KV moves between engines with :class:`pddcore.TransferEngine`
 pulls (:mod:`.kv_link`); each engine keeps a prefix cache, so a decode engine pulls only
 the pages it lacks.
 
 One job per file: ``tokenizer`` (bytes as tokens), ``kv_link`` (leases and pulls),
-``scheduler`` (the model thread), ``server`` (HTTP routes), ``cli``.
+``scheduler`` (the model thread), ``server`` (HTTP routes), ``sglang_server`` (the same in
+SGLang's dialect), ``cli``.
 
 Example (two engines and one P -> D request, by hand)::
 

@@ -1,16 +1,18 @@
 """`pddcore.serve`: PDD in front of stock engine servers (``pddcore serve``).
 
 An OpenAI-compatible gateway that runs every PDD mechanism through the engines' own HTTP
-APIs — vLLM's ``/inference/v1/generate`` with ``kv_transfer_params`` (and the reference
-engine of :mod:`pddcore.engine`, which speaks the same dialect): hit-rate-aware routing
+APIs — vLLM's ``/inference/v1/generate`` with ``kv_transfer_params``, or SGLang's
+``/generate`` with the bootstrap fields of its PD mode (the reference engine of
+:mod:`pddcore.engine` speaks either): hit-rate-aware routing
 over P_MD / P_RLD_MD / RLD_ONLY, dual send (RLD pulls inside the datacenter while MD
 prefetches across the WAN), the one-shot and catch-up token-id handoffs (MD's prefix-cache
 hit plus an extend over the handed-off tokens), and recovery when an engine fails.
 
 One job per file: ``openai_api`` (the request and response dialect), ``upstream`` (one
-engine's HTTP client), ``placement`` (load balance, MD prefix estimates), ``gateway``
-(one request's orchestration), ``metrics`` (Prometheus), ``app`` (HTTP routes),
-``launch`` and ``cli``.
+engine's HTTP client, vLLM's dialect), ``sglang_upstream`` (the same in SGLang's),
+``pipelines`` (how each dialect moves KV from P to a decoder), ``placement`` (load balance,
+MD prefix estimates), ``gateway`` (one request's orchestration), ``metrics`` (Prometheus),
+``app`` (HTTP routes), ``launch`` and ``cli``.
 
 Example (three reference engines and the gateway, then any OpenAI client)::
 

@@ -22,13 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="relay-decode (RLD) engines, next to P (none: P -> MD only)")
     parser.add_argument("--main", nargs="*", default=[], metavar="URL",
                         help="main-decode (MD) engines, across the WAN (none: P -> RLD only)")
-    parser.add_argument("--engine", choices=("vllm", "reference"), default="vllm",
-                        help="the engines' dialect: vllm (vllm serve with a KV connector) or reference "
+    parser.add_argument("--engine", choices=("vllm", "sglang", "reference"), default="vllm",
+                        help="the engines' dialect: vllm (vllm serve with a KV connector), sglang "
+                             "(sglang.launch_server in PD mode; also pddcore engine --dialect sglang) or reference "
                              "(pddcore engine, which also reports its KV size); default vllm")
+    parser.add_argument("--bootstrap-port", type=int, default=None,
+                        help="with --engine sglang: the prefill servers' bootstrap port (default: the one each "
+                             "reports in /server_info)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port (0: any free port; default 8080)")
     parser.add_argument("--kv-bytes-per-token", type=float, default=None,
-                        help="KV bytes per token of the model (required for vllm; reference engines report it)")
+                        help="KV bytes per token of the model (required for vllm and sglang; reference engines "
+                             "report it)")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV block (default: 16, or reported)")
     parser.add_argument("--ttft-slo-s", type=float, default=3.0, help="the router's TTFT budget (default 3)")
     parser.add_argument("--rld-tpot-s", type=float, default=0.03, help="the router's price of an RLD token (0.03)")

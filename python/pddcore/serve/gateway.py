@@ -338,11 +338,19 @@ class _Run:
         self._md_pulled(started)
         return True
 
+    def _md_extended(self, context_tokens: int) -> None:
+        """MD now holds ``context_tokens`` of context; where the extend runs on P (SGLang's
+        dialect), the KV of the tokens past what MD held crossed the WAN."""
+        if self.gw.pipeline.extend_crosses_wan:
+            tokens = max(0, context_tokens - self.md_holds)
+            self.gw.metrics.wan_bytes.inc(int(tokens * self.gw.config.kv_bytes_per_token))
+
     async def _extend_round(self, upto: int) -> int:
         """MD computes the KV of the context plus the first ``upto`` delivered tokens (one
         extend pass over what its cache lacks) and keeps it; returns the tokens it holds."""
         context = self.prompt + self.delivered[:upto]
         await self.gw.pipeline.extend(self, self.md, context)
+        self._md_extended(len(context))
         self.gw.index.record(self.md, context)
         return len(context)
 
@@ -405,10 +413,13 @@ class _Run:
         kind = "one_shot" if mode is HandoffMode.ONE_SHOT else "catch_up"
         self.trace.handoffs.append((kind, len(self.delivered)))
         self.gw.metrics.handoffs.labels(kind=kind).inc()
-        last_rld = self.last_at
+        last_rld, handed_off = self.last_at, len(self.prompt) + len(self.delivered)
         try:
             async with aclosing(self._stream(self.gw.pipeline.resume_on_md(self, self.md), "MD", False)) as chunks:
                 async for ids in chunks:
+                    if handed_off:
+                        self._md_extended(handed_off)
+                        handed_off = 0
                     if self.trace.handoff_gap_s is None and last_rld is not None:
                         self.trace.handoff_gap_s = time.monotonic() - last_rld
                         self.gw.metrics.handoff_gap.observe(self.trace.handoff_gap_s)

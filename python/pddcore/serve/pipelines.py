@@ -48,6 +48,8 @@ class VllmPipeline:
     prefills by itself too, so MD's extend rounds and its continuation after a handoff are
     plain requests: a prefix-cache hit plus an extend over the handed-off tokens, on MD."""
 
+    extend_crosses_wan = False  # MD computes the handed-off tokens: only their ids cross
+
     async def decode(self, run: "_Run", decoder: Upstream, source: str) -> Chunks:
         context, sampling = run.continuation()
         kv = await self._prefill(run, context)
@@ -104,6 +106,8 @@ class SGLangPipeline:
     and P — a prefix-cache hit on its side — computes the handed-off tokens.
 
     ``bootstrap``: each P's URL -> (host, port) of its bootstrap server."""
+
+    extend_crosses_wan = True  # P computes the handed-off tokens: their KV crosses to MD
 
     def __init__(self, bootstrap: dict[str, tuple[str, int]]):
         self.bootstrap = dict(bootstrap)
