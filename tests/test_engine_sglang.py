@@ -5,15 +5,18 @@ tests. Also the gateway's side of that dialect (:mod:`pddcore.serve.sglang_upstr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
+from contextlib import aclosing
 
 import msgspec
 import pytest
 import requests
 
-from pddcore.serve.sglang_upstream import generate_body, new_output_ids, sglang_sampling
+from pddcore.serve.openai_api import sse
+from pddcore.serve.sglang_upstream import SGLangUpstream, generate_body, new_output_ids, sglang_sampling
 from serve_cluster import engine
 
 api = pytest.importorskip("sglang.api.v1.api_types", reason="SGLang's API contract (sglang 0.5.23) is not installed")
@@ -152,3 +155,52 @@ def test_streamed_output_ids_are_read_whole_or_incremental():
             chunks.append(new_output_ids(event, seen))
             seen += len(chunks[-1])
         assert chunks == [[7], [8, 9], [4]]
+
+
+def test_leaving_a_stream_early_posts_abort_request_with_its_rid():
+    """A stream the gateway leaves (RLD stopped at a handoff, a client gone) is closed and
+    its rid posted to /abort_request; a stream read to its end is not."""
+    import aiohttp
+    from aiohttp import web
+
+    async def main():
+        aborted, rids = asyncio.Event(), []
+
+        async def generate(request):
+            body = await request.json()
+            response = web.StreamResponse()
+            await response.prepare(request)
+            last = body["sampling_params"]["max_new_tokens"]
+            for n in range(1, last + 1):
+                reason = {"type": "length", "length": n} if n == last else None
+                await response.write(sse({"output_ids": list(range(n)), "meta_info": {
+                    "id": body["rid"], "finish_reason": reason, "completion_tokens": n}}))
+                await asyncio.sleep(0.01)
+            await response.write(sse("[DONE]"))
+            return response
+
+        async def abort(request):
+            rids.append((await request.json())["rid"])
+            aborted.set()
+            return web.Response()
+
+        app = web.Application()
+        app.add_routes([web.post("/generate", generate), web.post("/abort_request", abort)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
+        try:
+            async with aiohttp.ClientSession() as http:
+                rld = SGLangUpstream(f"http://127.0.0.1:{runner.addresses[0][1]}", "relay", http)
+                whole = [item async for item in rld.stream("whole", [1, 2], {"max_tokens": 3}, room)]
+                async with aclosing(rld.stream("left", [1, 2], {"max_tokens": 500}, room)) as chunks:
+                    left = [await anext(chunks) for _ in range(2)]
+                await asyncio.wait_for(aborted.wait(), 60)  # a guard against a hang, not a timing
+        finally:
+            await runner.cleanup()
+        return whole, left, rids
+
+    whole, left, rids = asyncio.run(main())
+    assert whole == [([0], None), ([1], None), ([2], "length")] and left == [([0], None), ([1], None)]
+    assert rids == ["left"]

@@ -237,6 +237,12 @@ def test_sglang_handoff_moves_only_the_pages_of_the_handed_off_tokens(sglang_eng
     assert wan_kv_bytes(sglang_gateways["P_RLD_MD"]) - wan_before == (len(prompt) + at) * info["kv_bytes_per_token"]
 
 
+def test_an_sglang_gateway_refuses_a_prefill_url_that_is_no_sglang_prefill_server(sglang_engines):
+    e = sglang_engines
+    with pytest.raises(RuntimeError, match="is not an SGLang prefill server"):
+        gateway([e["rld"].url], [], [e["md"].url], *dialect_args("sglang", e), dialect="sglang")
+
+
 def wan_kv_bytes(gw) -> float:
     text = requests.get(gw.url + "/metrics", timeout=30).text
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
