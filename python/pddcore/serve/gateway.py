@@ -298,7 +298,7 @@ class _Run:
             async with aclosing(self._stream(self.gw.pipeline.decode(self, decoder, source), source, True)) as chunks:
                 async for ids in chunks:
                     if source == "MD" and self.md_holds == 0:
-                        self._md_pulled(started)
+                        self._md_pulled(self.prefilled_at or started)  # the pull's time, after P's answer if any
                     yield ids
             if source == "MD":
                 self.gw.index.record(decoder, self.prompt + self.delivered[:-1])
