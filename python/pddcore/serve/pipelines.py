@@ -98,10 +98,10 @@ class VllmPipeline:
 class SGLangPipeline:
     """SGLang's dialect (PD mode): every step is a pair of requests sent at once, the same
     request to P and to the consumer, with P's bootstrap address and a fresh random
-    ``bootstrap_room`` that pairs them, as SGLang's own router does; the consumer's answer is
-    the one that counts, P's is drained and dropped. An SGLang decode engine cannot prefill,
-    so MD's prefetch, its extend rounds and its continuation after a handoff are such pairs
-    too: MD's decode-side prefix cache (``--disaggregation-decode-enable-radix-cache``) holds
+    ``bootstrap_room`` that pairs them, as SGLang's router pairs its servers; the consumer's
+    answer is the one that counts, P's is drained and dropped. An SGLang decode engine cannot
+    prefill, so MD's prefetch, its extend rounds and its continuation after a handoff are such
+    pairs too: MD's decode-side prefix cache (``--disaggregation-decode-enable-radix-cache``) holds
     the earlier context, P is asked for the pages MD lacks (SGLang's ``decode_prefix_len``),
     and P — a prefix-cache hit on its side — computes the handed-off tokens.
 
