@@ -1,6 +1,7 @@
 """TransferEngine(congestion_control=...): the kernel's TCP congestion control of the data
 connections an engine dials, checked on the live sockets with ss(8) and in stats(); "auto"
-on a loopback path (tests/test_transfer_wan.py has it on emulated long and lossy paths)."""
+on a loopback path (tests/test_transfer_wan.py has it on emulated long and lossy paths), and
+the rule behind it against hand-made readings (C++, tests/cpp/congestion_choice_test.cpp)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,19 @@ import subprocess
 import pytest
 import torch
 
+import cpp_unit
 from pddcore.transfer import TransferEngine, available_congestion_controls
 
 CC_TOKEN = b"congestion-test-token-5d2a8f1c7e4b9036"
 
 pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read the sockets")
+
+CONGESTION_CASES = ["the_handshake_rtt_picks_the_algorithm", "a_lossy_path_is_found_after_enough_segments",
+                    "light_loss_is_not_a_lossy_path", "drops_behind_a_standing_queue_are_not_counted",
+                    "a_moments_queue_does_not_erase_the_count", "slow_start_and_short_paths_are_not_counted"]
+
+test_congestion_rule = cpp_unit.case_test("congestion_choice_test", ["tests/cpp/congestion_choice_test.cpp"],
+                                          CONGESTION_CASES)
 
 
 def data_connection_algorithms(stats: dict | None = None, **sender_options) -> list[str]:

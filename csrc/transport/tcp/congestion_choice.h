@@ -10,7 +10,8 @@
 //     clean long path.
 //  2. As it runs, a cubic connection whose retransmits reach kLossyShare of the segments
 //     it sent (once it sent kMinSegments) while no queue stood on its path is on a lossy
-//     path: it, the peer's other connections and every later one switch to bbr. Drops
+//     path: it, the peer's other connections and every later one switch to bbr (LossCount
+//     adds up the stretches between readings that qualify). Drops
 //     where a queue stands (see queued()) and during the initial slow start, whose end
 //     overfills the bottleneck's queue, are cubic's own: it fills every queue until it
 //     overflows (on an emulated 1 Gbit/s, 2 ms path with a 10 ms queue, 4 cubic
@@ -24,6 +25,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <utility>
 
 namespace pddcore::transfer::tcp {
 
@@ -58,6 +61,30 @@ struct CongestionRule {
     return min_rtt_s >= kLossyPathMinRttS && segments >= kMinSegments &&
            static_cast<double>(retransmits) >= kLossyShare * static_cast<double>(segments);
   }
+};
+
+// A cubic connection's segments and retransmits, added up over the stretches between two
+// readings of its counters that can say something about the path: past the initial slow
+// start, with no queue standing when the stretch ended. A stretch that does not qualify is
+// left out, not the count so far: on a busy host a moment's scheduling delay in the path
+// reads as a queue, and restarting the count at each one kept a path that dropped 3 % of
+// its packets from ever adding up to kMinSegments.
+class LossCount {
+ public:
+  // One reading (counters since the connection opened); true once the stretches counted
+  // show a lossy path.
+  bool observe(double srtt_s, double min_rtt_s, bool past_slow_start, uint64_t segments_sent, uint64_t retransmits) {
+    if (previous_ && past_slow_start && !CongestionRule::queued(srtt_s, min_rtt_s)) {
+      segments_ += segments_sent - previous_->first;
+      retransmits_ += retransmits - previous_->second;
+    }
+    previous_.emplace(segments_sent, retransmits);
+    return CongestionRule::lossy(min_rtt_s, segments_, retransmits_);
+  }
+
+ private:
+  std::optional<std::pair<uint64_t, uint64_t>> previous_;  // the last reading's counters
+  uint64_t segments_ = 0, retransmits_ = 0;                // over the stretches counted
 };
 
 }  // namespace pddcore::transfer::tcp

@@ -387,7 +387,7 @@ void TcpBackend::choose_congestion_control(Link& link, Stream& stream, const Soc
   const double rtt_s = sample ? sample->min_rtt_s : 0;
   std::lock_guard<std::mutex> lock(link.mutex);  // a switch on loss sees either none or the choice
   stream.handshake_rtt_s = rtt_s;
-  stream.loss_baseline.reset();
+  stream.loss_count = {};
   stream.algorithm = apply_congestion_control(
       socket, link.lossy ? CongestionRule::kLossyPath : CongestionRule::after_handshake(rtt_s));
 }
@@ -395,13 +395,8 @@ void TcpBackend::choose_congestion_control(Link& link, Stream& stream, const Soc
 void TcpBackend::switch_on_loss(Link& link, const PathSample& sample, Stream& stream) {
   if (link.lossy || stream.algorithm == nullptr || std::strcmp(stream.algorithm, CongestionRule::kLossyPath) == 0)
     return;
-  // Counting restarts whenever the drops may be cubic's own (congestion_choice.h).
-  if (!sample.past_slow_start || CongestionRule::queued(sample.srtt_s, sample.min_rtt_s) || !stream.loss_baseline) {
-    stream.loss_baseline.emplace(sample.segments_sent, sample.retransmits);
-    return;
-  }
-  const auto [segments, retransmits] = *stream.loss_baseline;
-  if (!CongestionRule::lossy(sample.min_rtt_s, sample.segments_sent - segments, sample.retransmits - retransmits))
+  if (!stream.loss_count.observe(sample.srtt_s, sample.min_rtt_s, sample.past_slow_start, sample.segments_sent,
+                                 sample.retransmits))
     return;
   link.lossy = true;
   for (const auto& other : link.streams)

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../socket.h"
+#include "congestion_choice.h"
 #include "delay_pacer.h"
 #include "delivery_meter.h"
 #include "pddcore/transfer_backend.h"
@@ -57,8 +58,7 @@ class TcpBackend final : public TransferBackend {
     // algorithm chosen from it (or on loss).
     double handshake_rtt_s = 0;
     const char* algorithm = nullptr;
-    // Segments sent and retransmitted when loss began to count (congestion_choice.h).
-    std::optional<std::pair<uint64_t, uint64_t>> loss_baseline;
+    LossCount loss_count;  // while it runs cubic (congestion_choice.h)
     bool loss_based = true;  // the connection's algorithm backs off on loss (not bbr)
   };
   struct Link {
