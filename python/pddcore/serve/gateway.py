@@ -38,7 +38,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, NoReturn, Sequence
 
 from ..handoff import HandoffMode, HandoffPolicy, HandoffState
 from ..router import BandwidthEstimator, Pipeline, RouteRequest, Router, RouterConfig
@@ -238,8 +238,14 @@ class _Run:
         if not e.unreachable:  # the engine refused the request itself: a 4xx is the client's to fix
             self.refuse(400 if e.status and 400 <= e.status < 500 else 502, str(e))
 
-    def refuse(self, status: int, message: str) -> None:
+    def refuse(self, status: int, message: str) -> NoReturn:
         raise GatewayError(status, message)
+
+    def keep_running(self, work) -> None:
+        self.gw.keep_running(work)
+
+    def note_error(self, message: str) -> None:
+        self.trace.errors.append(message)
 
     def prefilled(self, context: list[int], cached_tokens: int | None, started: float) -> None:
         """P answered a prefill of ``context`` started at ``started``."""

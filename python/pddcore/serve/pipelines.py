@@ -1,6 +1,6 @@
 """The gateway's pipeline steps in each engine dialect: the one place that knows how a
 dialect moves KV from P to a decode engine. Routing, the handoff policy, faults, metrics
-and traces stay in :mod:`.gateway`, which calls these steps for one request (its ``_Run``):
+and traces stay in :mod:`.gateway`, which calls these steps for one request (a :class:`Run`):
 
 * :meth:`decode` — P prefills the request's context (the prompt and every token the client
   has), then the decoder pulls the KV and streams the rest;
@@ -29,16 +29,29 @@ import functools
 import secrets
 import time
 from contextlib import aclosing
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator, Awaitable, NoReturn, Protocol
 
 from .upstream import Upstream, UpstreamError
 
-if TYPE_CHECKING:
-    from .gateway import _Run
-
-__all__ = ["VllmPipeline", "SGLangPipeline"]
+__all__ = ["VllmPipeline", "SGLangPipeline", "Run"]
 
 Chunks = AsyncIterator[tuple[list[int], str | None]]
+
+
+class Run(Protocol):
+    """What the steps use of one request being served (the gateway's ``_Run``)."""
+
+    prompt: list[int]
+    sampling: dict
+
+    def leg_id(self, what: str) -> str: ...
+    def continuation(self) -> tuple[list[int], dict]: ...
+    def pick_prefill(self, tried: list[Upstream]) -> Upstream: ...
+    def prefill_failed(self, e: UpstreamError) -> None: ...
+    def refuse(self, status: int, message: str) -> NoReturn: ...
+    def prefilled(self, context: list[int], cached_tokens: int | None, started: float) -> None: ...
+    def keep_running(self, work: Awaitable) -> None: ...
+    def note_error(self, message: str) -> None: ...
 
 
 class VllmPipeline:
@@ -50,33 +63,33 @@ class VllmPipeline:
 
     extend_crosses_wan = False  # MD computes the handed-off tokens: only their ids cross
 
-    async def decode(self, run: "_Run", decoder: Upstream, source: str) -> Chunks:
+    async def decode(self, run: Run, decoder: Upstream, source: str) -> Chunks:
         context, sampling = run.continuation()
         kv = await self._prefill(run, context)
         async with aclosing(decoder.stream(run.leg_id(source.lower()), context, sampling, kv)) as chunks:
             async for item in chunks:
                 yield item
 
-    async def relay(self, run: "_Run", rld: Upstream, prefilled: asyncio.Future) -> Chunks:
+    async def relay(self, run: Run, rld: Upstream, prefilled: asyncio.Future) -> Chunks:
         kv = await self._prefill(run, run.prompt, consumers=2)  # one prefill, pulled by RLD and by MD
         prefilled.set_result(kv)
         async with aclosing(rld.stream(run.leg_id("rld"), run.prompt, run.sampling, kv)) as chunks:
             async for item in chunks:
                 yield item
 
-    async def prefetch(self, run: "_Run", md: Upstream, kv: dict) -> None:
+    async def prefetch(self, run: Run, md: Upstream, kv: dict) -> None:
         await md.generate(run.leg_id("md-prefetch"), run.prompt, {**run.sampling, "max_tokens": 1}, kv)
 
-    async def extend(self, run: "_Run", md: Upstream, context: list[int]) -> None:
+    async def extend(self, run: Run, md: Upstream, context: list[int]) -> None:
         await md.generate(run.leg_id("md-extend"), context, {**run.sampling, "max_tokens": 1})
 
-    async def resume_on_md(self, run: "_Run", md: Upstream) -> Chunks:
+    async def resume_on_md(self, run: Run, md: Upstream) -> Chunks:
         context, sampling = run.continuation()
         async with aclosing(md.stream(run.leg_id("md"), context, sampling)) as chunks:
             async for item in chunks:
                 yield item
 
-    async def _prefill(self, run: "_Run", context: list[int], consumers: int = 1) -> dict:
+    async def _prefill(self, run: Run, context: list[int], consumers: int = 1) -> dict:
         """P prefills ``context`` and keeps its KV for ``consumers`` pulls; returns the pulls' params."""
         tried: list[Upstream] = []
         while True:
@@ -112,26 +125,26 @@ class SGLangPipeline:
     def __init__(self, bootstrap: dict[str, tuple[str, int]]):
         self.bootstrap = dict(bootstrap)
 
-    async def decode(self, run: "_Run", decoder: Upstream, source: str) -> Chunks:
+    async def decode(self, run: Run, decoder: Upstream, source: str) -> Chunks:
         context, sampling = run.continuation()
         async with aclosing(self._pair(run, decoder, source.lower(), context, sampling)) as chunks:
             async for item in chunks:
                 yield item
 
-    async def relay(self, run: "_Run", rld: Upstream, prefilled: asyncio.Future) -> Chunks:
+    async def relay(self, run: Run, rld: Upstream, prefilled: asyncio.Future) -> Chunks:
         async with aclosing(self._pair(run, rld, "rld", run.prompt, run.sampling, answered=prefilled)) as chunks:
             async for item in chunks:
                 yield item
 
-    async def prefetch(self, run: "_Run", md: Upstream, p: Upstream) -> None:
+    async def prefetch(self, run: Run, md: Upstream, p: Upstream) -> None:
         """MD pairs with the P that answered RLD's pair: its prefix cache holds the prompt."""
         await self._drain(self._pair(run, md, "md-prefetch", run.prompt, {**run.sampling, "max_tokens": 1},
                                      prefer=p))
 
-    async def extend(self, run: "_Run", md: Upstream, context: list[int]) -> None:
+    async def extend(self, run: Run, md: Upstream, context: list[int]) -> None:
         await self._drain(self._pair(run, md, "md-extend", context, {**run.sampling, "max_tokens": 1}))
 
-    async def resume_on_md(self, run: "_Run", md: Upstream) -> Chunks:
+    async def resume_on_md(self, run: Run, md: Upstream) -> Chunks:
         context, sampling = run.continuation()
         async with aclosing(self._pair(run, md, "md", context, sampling)) as chunks:
             async for item in chunks:
@@ -143,7 +156,7 @@ class SGLangPipeline:
             async for _ in chunks:
                 pass
 
-    async def _pair(self, run: "_Run", consumer: Upstream, leg: str, context: list[int], sampling: dict, *,
+    async def _pair(self, run: Run, consumer: Upstream, leg: str, context: list[int], sampling: dict, *,
                     prefer: Upstream | None = None, answered: asyncio.Future | None = None) -> Chunks:
         """P and ``consumer`` get the same request at once; yields the consumer's stream. A P
         that fails before the consumer's first token is replaced by another (a new room)."""
@@ -184,18 +197,18 @@ class SGLangPipeline:
             finally:
                 if not prefill.done():
                     if got_kv:
-                        run.gw.keep_running(prefill)  # drain P's answer
+                        run.keep_running(prefill)  # drain P's answer
                     else:
                         prefill.cancel()  # nobody will pull: P drops the request
 
     @staticmethod
-    def _answered(run: "_Run", p: Upstream, context: list[int], started: float, answered: asyncio.Future | None,
+    def _answered(run: Run, p: Upstream, context: list[int], started: float, answered: asyncio.Future | None,
                   answer: asyncio.Future) -> None:
         """P's half of a pair ended: trace it; tell ``answered`` which P holds the KV."""
         if answer.cancelled():
             return
         if answer.exception() is not None:
-            run.trace.errors.append(f"{answer.exception()} (P's half of a pair)")
+            run.note_error(f"{answer.exception()} (P's half of a pair)")
             return
         run.prefilled(context, answer.result().cached_tokens, started)
         if answered is not None and not answered.done():
