@@ -52,14 +52,16 @@ def sglang_engines(engines):
 ROUTES = {
     # MD's KV is ready within any TTFT budget: P -> MD.
     "P_MD": ["--ttft-slo-s", "1000"],
-    # MD's KV misses a tiny budget, RLD decodes first; a large threshold makes the handoff one-shot.
-    "P_RLD_MD": ["--ttft-slo-s", "0.001", "--wan-mbps", "100", "--catch-up-threshold", "100000"],
+    # MD's KV misses a budget of 0, RLD decodes first; a large threshold makes the handoff one-shot.
+    # (0, not merely tiny: on loopback the link poll soon reads P's counters of earlier tests'
+    # pulls, an RTT near 0 at gigabytes per second, and a short prompt's KV then lands within
+    # a millisecond.)
+    "P_RLD_MD": ["--ttft-slo-s", "0", "--wan-mbps", "100", "--catch-up-threshold", "100000"],
     # The same with threshold 0: any backlog is caught up while RLD decodes, then a final handoff.
-    "CATCH_UP": ["--ttft-slo-s", "0.001", "--wan-mbps", "100", "--catch-up-threshold", "0"],
-    # RLD tokens priced so cheap that RLD finishes before MD's KV would land: nothing crosses the WAN.
-    # (A slow link too: on loopback the link poll soon measures an RTT near 0, and the KV of a
-    # short prompt at the default prior rate would then land within the tiny budget.)
-    "RLD_ONLY": ["--ttft-slo-s", "0.001", "--rld-tpot-s", "1e-7", "--wan-mbps", "100"],
+    "CATCH_UP": ["--ttft-slo-s", "0", "--wan-mbps", "100", "--catch-up-threshold", "0"],
+    # RLD tokens priced so cheap that RLD finishes before MD's KV would land: nothing crosses the
+    # WAN. (A slow link too, for the same reason.)
+    "RLD_ONLY": ["--ttft-slo-s", "0", "--rld-tpot-s", "1e-7", "--wan-mbps", "100"],
 }
 
 
