@@ -16,9 +16,11 @@ reports="$PWD/$build/reports"
 mkdir -p "$build"
 rm -rf "$reports" && mkdir -p "$reports"
 started=$SECONDS
-sanitizers="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g"
+# -O1 and line tables only: half the build time of -O3 with full debug information, and
+# reports still name file and line.
+sanitizers="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g1"
 echo "building the sanitized pddcore._C in $build (log: $build/build.log)"
-cmake -S . -B "$build" -DPDD_WITH_CUDA=OFF -DCMAKE_CXX_FLAGS="$sanitizers" \
+cmake -S . -B "$build" -DPDD_WITH_CUDA=OFF -DPDD_OPTIMIZE=-O1 -DCMAKE_CXX_FLAGS="$sanitizers" \
   -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=address,undefined" -DPython_EXECUTABLE="$(command -v python)" \
   -Dnanobind_DIR="$(python -m nanobind --cmake_dir)" > "$build/build.log" 2>&1
 targets=(_C)
@@ -45,8 +47,10 @@ tests_started=$SECONDS
 ) || status=$?
 echo "transfer, security and TLS tests: $((SECONDS - tests_started)) s"
 cases_started=$SECONDS
+# Only the files that hold C++ cases: collecting every test imports the engines (a minute).
+mapfile -t case_files < <(grep -l "case_test(" tests/test_*.py)
 PDDCORE_SANITIZE=1 ASAN_OPTIONS="detect_leaks=1:log_path=$reports/asan" UBSAN_OPTIONS="log_path=$reports/ubsan" \
-  python -m pytest tests -k cpp- -q -p no:cacheprovider || status=$?
+  python -m pytest "${case_files[@]}" -k cpp- -q -p no:cacheprovider || status=$?
 echo "C++ unit cases: $((SECONDS - cases_started)) s"
 
 if compgen -G "$reports/*" > /dev/null; then
