@@ -33,7 +33,7 @@ from ...pack import pack
 from ...transfer import Transfer
 from .._device import on_device, record_event, stream_waits_for
 from .._heads import destinations_of
-from .._posting import PostedWrite
+from .._posting import PostedWrite, cancel_all
 from .._staging import StagingBuffer
 from .manager import PDDKVManager
 from .protocol import MESSAGES, Registration, Unread
@@ -82,17 +82,19 @@ class PDDKVSender(BaseKVSender):
         if self._state == KVPoll.Failed:
             return
         self._failure, self._state = reason, KVPoll.Failed
-        for transfer in self._transfers:
-            transfer.cancel()  # finishes it and purges its queued chunks: the engine stops reading our buffers
-        self._release_buffers()
-        if tell_peers:
+        # Returns at once: each transfer's cancel (which waits for its peer's fence, up to the
+        # engine's timeout_s when the peer is gone) runs on the poster's threads, and the buffers
+        # go back once no write can read them any more, whether or not SGLang polls again.
+        buffers, self._buffers = self._buffers, []
+        cancel_all(self._transfers, then=functools.partial(self._release, buffers))
+        if tell_peers:  # from the poster's thread too: a notice to a peer gone may first wait on a connect
             for reg in self.kv_mgr.inbox(self.room).registrations:
-                self.kv_mgr.peers.send(reg.peer_address, "fail", room=self.room, reason=reason)
+                self.kv_mgr.poster.post(functools.partial(self.kv_mgr.peers.send, reg.peer_address, "fail",
+                                                          room=self.room, reason=reason))
 
-    def _release_buffers(self) -> None:
-        for buf in self._buffers:
+    def _release(self, buffers: list[StagingBuffer]) -> None:
+        for buf in buffers:
             self.kv_mgr.staging.release(buf)
-        self._buffers = []
 
     def poll(self) -> int:
         if self._state in TERMINAL:
@@ -110,7 +112,8 @@ class PDDKVSender(BaseKVSender):
         elif self._state == KVPoll.Transferring:
             try:
                 if all(t.done() for t in self._transfers) and self._sent_pages == self._num_pages:
-                    self._release_buffers()
+                    buffers, self._buffers = self._buffers, []
+                    self._release(buffers)
                     self._state = KVPoll.Success
             except Exception as exc:
                 self._fail(f"transfer failed: {exc}")
