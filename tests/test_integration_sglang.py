@@ -24,6 +24,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -210,7 +211,7 @@ def decode_process(loopback_data_address):
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=decode_server, args=(child,), daemon=True)
     proc.start()
-    yield parent
+    yield parent, proc.pid
     parent.send(None)
     proc.join(30)
     if proc.is_alive():
@@ -219,9 +220,11 @@ def decode_process(loopback_data_address):
 
 @pytest.fixture
 def run_decode(decode_process):
+    pipe, _ = decode_process
+
     def start(**cmd):
-        decode_process.send({"mla": False, **cmd})
-        return decode_process
+        pipe.send({"mla": False, **cmd})
+        return pipe
 
     return start
 
@@ -326,6 +329,59 @@ def test_decode_abort_fails_prefill(run_decode):
         with pytest.raises(pdd.PDDTransferError, match="aborted by the decode side"):
             sender.failure_exception()
     finally:
+        mgr.close()
+        server.close()
+
+
+@pytest.mark.parametrize("connection", ["open", "dropped"])
+def test_a_sender_failing_while_its_peer_is_frozen_returns_at_once_and_frees_its_buffers_later(
+        run_decode, decode_process, monkeypatch, connection):
+    """The decode process is stopped (SIGSTOP) once it registered. With the prefill's
+    connection to it open, the write goes out and its cancel waits for a fence the frozen peer
+    cannot confirm; with that connection dropped, the write's post waits on a reconnect the
+    frozen peer cannot answer, and so would the failure notice (each up to the engine's
+    timeout_s). Either way the abort on SGLang's scheduler thread returns while the peer is
+    still frozen, with the write's staging buffer still out; once the peer runs again the
+    buffer goes back to the pool, with no further poll(), and the decode side is told."""
+    port, room = _free_port(), 79 if connection == "open" else 80
+    _, decode_pid = decode_process
+    out = run_decode(d_tp=1, total_heads=2, port=port, room=room, d_pages=[1, 2, 3, 6], d_aux=0, prefix_len=0)
+    server = pdd.PDDKVBootstrapServer("127.0.0.1", port)
+    mgr = pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0, fill=_fill(False, 2, 1)).args, "prefill",
+                           _server_args(port))
+    acquired, released = [], []
+    acquire, release = mgr.staging.acquire, mgr.staging.release
+    monkeypatch.setattr(mgr.staging, "acquire", lambda *a, **k: acquired.append(acquire(*a, **k)) or acquired[-1])
+    monkeypatch.setattr(mgr.staging, "release", lambda buf: released.append(buf) or release(buf))
+    posted = threading.Event()
+    write_batch = mgr.engine.write_batch
+    monkeypatch.setattr(mgr.engine, "write_batch", lambda *a, **k: (write_batch(*a, **k), posted.set())[0])
+    frozen = False
+    try:
+        sender = pdd.PDDKVSender(mgr, f"127.0.0.1:{port}", room)
+        _wait(lambda: sender.poll() == KVPoll.WaitingForInput)  # the decode rank registered
+        writing, write = threading.Event(), sender._write  # what the poster calls to post
+        monkeypatch.setattr(sender, "_write", lambda *a: writing.set() or write(*a))
+        os.kill(decode_pid, signal.SIGSTOP)
+        frozen = True
+        if connection == "dropped":
+            mgr.peers.connect(mgr.inbox(room).registrations[0].peer_address).close()
+        sender.init(4, aux_index=5)
+        sender.send(np.array([4, 5], dtype=np.int32))  # the first of two chunks: the decode side cannot finish
+        assert len(acquired) == 1
+        # The poster is in the write: sending from the buffer, or reconnecting first
+        _wait(posted.is_set if connection == "open" else writing.is_set)
+        sender.abort()
+        assert sender.poll() == KVPoll.Failed
+        assert released == []  # returned while the peer is frozen: the transfer may still read the buffer
+        os.kill(decode_pid, signal.SIGCONT)
+        frozen = False
+        _wait(lambda: released == acquired)  # handed back by the poster's threads, nobody polls
+        result = _receive(out)
+        assert result["states"][0][-1] == KVPoll.Failed and "aborted by the prefill side" in result["errors"][0]
+    finally:
+        if frozen:
+            os.kill(decode_pid, signal.SIGCONT)
         mgr.close()
         server.close()
 
