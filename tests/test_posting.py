@@ -353,3 +353,20 @@ def test_cancel_all_runs_its_callback_once_every_write_settled(poster):
     nothing = threading.Event()
     cancel_all([], then=nothing.set)
     assert nothing.is_set()
+
+
+def test_a_cancel_waiting_on_one_peer_delays_no_other_cancel(poster):
+    """Each transfer's cancel waits on its own: a second write's source comes back while the
+    first one's peer has still not confirmed."""
+    stuck_source, source = Source(), Source()
+    stuck, transfer = FakeTransfer(stuck_source), FakeTransfer(source)
+    stuck_handle = post_now(poster, stuck_source, lambda: stuck)
+    handle = post_now(poster, source, lambda: transfer)
+    stuck_handle.cancel(then=stuck_source.reuse)
+    assert stuck.cancel_entered.wait(DEADLINE_S)
+    transfer.fence.set()
+    handle.cancel(then=source.reuse)
+    source.check_reused_safely()
+    assert not stuck.fence.is_set() and not stuck_source.reused.is_set()
+    stuck.fence.set()
+    stuck_source.check_reused_safely()

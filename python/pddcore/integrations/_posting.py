@@ -5,8 +5,8 @@ waiting on the GPU, nor on a peer.
 The caller packs on its current stream, records an event after the pack and hands the
 :class:`Poster` the write with that event; the poster's thread waits on the event and then
 posts the write. Writes are posted in the order they were handed over. A cancel returns at
-once too: the wait for the peer's fence runs on a second thread of the poster, so that it
-queues behind no write waiting on the GPU.
+once too: the wait for the peer's fence runs on a thread of the poster's own for each cancel,
+so that it queues behind no write waiting on the GPU, nor behind another peer's fence.
 
 Example::
 
@@ -105,7 +105,7 @@ class PostedWrite:
     def cancel(self, then: Callable[[], None] | None = None) -> None:
         """Returns at once. A write not posted yet never will be; one being posted is cancelled
         by the poster's thread once its post returned; a posted transfer's blocking
-        :meth:`Transfer.cancel` (the peer's fence) runs on the poster's cancel thread, for a
+        :meth:`Transfer.cancel` (the peer's fence) runs on a cancel thread of the poster, for a
         failed transfer too (its fence lifts the quarantine of the destination ranges).
 
         ``then`` runs once the write is settled (see ``settled``): here if it already is, else
@@ -222,18 +222,18 @@ def cancel_all(writes: list[PostedWrite], then: Callable[[], None]) -> None:
 
 
 class Poster:
-    """One thread that posts writes in order, each after its event completed, and one that
-    runs the cancels of posted transfers (each waits for its peer's fence)."""
+    """One thread that posts writes in order, each after its event completed, and a thread
+    for each cancel of a posted transfer while it waits for its peer's fence (up to the
+    engine's ``timeout_s`` when the peer is gone: one such wait delays no other cancel)."""
 
     def __init__(self, name: str):
+        self._name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._cancels: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._cancelling: set[threading.Thread] = set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._cancel_thread = threading.Thread(target=self._run_cancels, name=f"{name}-cancel", daemon=True)
         self._thread.start()
-        self._cancel_thread.start()
 
     def post(self, write: Callable[[], Transfer | None], *, after: "torch.cuda.Event | None" = None,
              device: torch.device = torch.device("cpu")) -> PostedWrite:
@@ -251,13 +251,17 @@ class Poster:
         self._thread.join()
         with self._lock:
             self._closed = True
-            self._cancels.put(None)
-        self._cancel_thread.join()
+            cancelling = list(self._cancelling)
+        for thread in cancelling:
+            thread.join()
 
     def _cancel_later(self, cancel: Callable[[], None]) -> None:
         with self._lock:
             if not self._closed:
-                self._cancels.put(cancel)
+                thread = threading.Thread(target=self._run_cancel, args=(cancel,), name=f"{self._name}-cancel",
+                                          daemon=True)
+                self._cancelling.add(thread)
+                thread.start()
                 return
         cancel()
 
@@ -273,6 +277,9 @@ class Poster:
                     continue
                 handle._post(write)
 
-    def _run_cancels(self) -> None:
-        while (cancel := self._cancels.get()) is not None:
+    def _run_cancel(self, cancel: Callable[[], None]) -> None:
+        try:
             cancel()
+        finally:
+            with self._lock:
+                self._cancelling.discard(threading.current_thread())
