@@ -245,8 +245,8 @@ class Poster:
 
     def close(self) -> None:
         """Posts every write queued so far, waits for every cancel asked so far (so that no
-        transfer of a cancelled write still reads its source), then stops both threads. A
-        cancel asked afterwards runs on its caller's thread: no other is left."""
+        transfer of a cancelled write still reads its source), then stops. A cancel asked
+        afterwards runs on its caller's thread: no other is left."""
         self._jobs.put(None)
         self._thread.join()
         with self._lock:
