@@ -24,12 +24,9 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import AsyncIterator
+from typing import Callable
 
-import aiohttp
-
-from .upstream import Generated, Upstream, UpstreamError, _sse_events
+from .upstream import Generated, Upstream, UpstreamError
 
 __all__ = ["SGLangUpstream", "sglang_sampling", "new_output_ids"]
 
@@ -76,60 +73,29 @@ class SGLangUpstream(Upstream):
         return (await self.post_json("/detokenize", {"tokens": list(token_ids)}))["text"]
 
     async def generate(self, rid: str, token_ids: list[int], sampling: dict, kv: dict | None = None) -> Generated:
-        body = await self.post_json("/generate", generate_body(rid, token_ids, sampling, kv, False))
+        body = await self.post_json(self.generate_path, self._generate_body(rid, token_ids, sampling, kv, False))
         meta = body.get("meta_info")
         if not isinstance(meta, dict) or not isinstance(body.get("output_ids"), list):
             raise UpstreamError(self, f"malformed generate answer (keys {sorted(body)})")
         self._refused(meta)
         return Generated(list(body["output_ids"]), _finish(meta) or "stop", None, meta.get("cached_tokens"))
 
-    async def stream(self, rid: str, token_ids: list[int], sampling: dict,
-                     kv: dict | None = None) -> AsyncIterator[tuple[list[int], str | None]]:
-        body = generate_body(rid, token_ids, sampling, kv, True)
-        finished = False
-        try:
-            async with self._call():
-                try:
-                    async with self.http.post(self.url + "/generate", json=body, timeout=self.timeout,
-                                              headers=self.headers) as resp:
-                        if resp.status != 200:
-                            await self._json(resp)
-                        seen = 0
-                        async for data in _sse_events(resp):
-                            if data == "[DONE]":
-                                break
-                            event = json.loads(data)
-                            if "error" in event:
-                                error = event["error"]
-                                finished = True  # the engine ended the request itself
-                                raise UpstreamError(self, f"stream failed: {_message(error)}",
-                                                    status=error.get("code") if isinstance(error, dict) else None)
-                            meta = event.get("meta_info") or {}
-                            self._refused(meta)
-                            ids = new_output_ids(event, seen)
-                            seen += len(ids)
-                            finish = _finish(meta)
-                            finished = finish is not None
-                            if ids or finish:
-                                yield ids, finish
-                            if finish:
-                                return
-                except (aiohttp.ClientPayloadError, json.JSONDecodeError) as e:
-                    raise UpstreamError(self, f"broken stream ({e!r})", unreachable=True) from None
-            raise UpstreamError(self, "the stream ended before the generation finished", unreachable=True)
-        finally:
-            if not finished:
-                self._abort(rid)
+    generate_path = "/generate"
 
-    async def _json(self, resp: aiohttp.ClientResponse) -> dict:
-        if resp.status == 200:
-            return await super()._json(resp)
-        try:
-            body = await resp.json(content_type=None)
-        except (json.JSONDecodeError, aiohttp.ContentTypeError):
-            body = None
-        message = _message(body.get("error")) if isinstance(body, dict) and "error" in body else (body or resp.reason)
-        raise UpstreamError(self, f"HTTP {resp.status}: {message}", status=resp.status)
+    def _generate_body(self, rid: str, token_ids: list[int], sampling: dict, kv: dict | None, stream: bool) -> dict:
+        return generate_body(rid, token_ids, sampling, kv, stream)
+
+    def _event_reader(self) -> Callable[[dict], tuple[list[int], str | None]]:
+        seen = 0
+
+        def read(event: dict) -> tuple[list[int], str | None]:
+            nonlocal seen
+            meta = event.get("meta_info") or {}
+            self._refused(meta)
+            ids = new_output_ids(event, seen)
+            seen += len(ids)
+            return ids, _finish(meta)
+        return read
 
     def _refused(self, meta: dict) -> None:
         """SGLang ends a request it refused or aborted with finish reason ``abort``."""
@@ -137,7 +103,7 @@ class SGLangUpstream(Upstream):
         if isinstance(reason, dict) and reason.get("type") == "abort":
             raise UpstreamError(self, f"aborted: {reason.get('message')}", status=reason.get("status_code"))
 
-    def _abort(self, rid: str) -> None:
+    def _abandoned(self, rid: str) -> None:
         """Tells the engine to drop ``rid`` now (the closed stream tells it later)."""
         task = asyncio.ensure_future(self.post_json("/abort_request", {"rid": rid}))
         self._aborts.add(task)
@@ -148,7 +114,3 @@ def generate_body(rid: str, token_ids: list[int], sampling: dict, kv: dict | Non
     return {"rid": rid, "input_ids": list(token_ids), "sampling_params": sglang_sampling(sampling),
             "stream": stream, **(kv or {})}
 
-
-def _message(error) -> str:
-    """An SGLang error: ``{"message": ...}``, or a bare string (its schema check's answer)."""
-    return str(error.get("message", error)) if isinstance(error, dict) else str(error)

@@ -8,6 +8,10 @@ at all, marks it down for ``down_s`` so that routing avoids it meanwhile. Leavin
 stream early closes its connection, which is how vLLM and the reference engine learn
 that a request was abandoned.
 
+Another engine's dialect is a subclass that overrides the hooks under "the dialect" (the
+generate path and body, how a stream's events read, what leaving a stream early does) and
+the calls whose answers differ (:mod:`.sglang_upstream`).
+
 Example::
 
     async with aiohttp.ClientSession() as http:
@@ -23,7 +27,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import aiohttp
 
@@ -89,7 +93,7 @@ class Upstream:
 
     async def generate(self, rid: str, token_ids: list[int], sampling: dict, kv: dict | None = None) -> Generated:
         """The whole answer of one non-streamed generation."""
-        body = await self.post_json("/inference/v1/generate", _generate_body(rid, token_ids, sampling, kv, False))
+        body = await self.post_json(self.generate_path, self._generate_body(rid, token_ids, sampling, kv, False))
         try:
             choice = body["choices"][0]
             cached = (body.get("usage") or {}).get("prompt_tokens_details") or {}
@@ -102,30 +106,57 @@ class Upstream:
                      kv: dict | None = None) -> AsyncIterator[tuple[list[int], str | None]]:
         """``(new token ids, finish_reason or None)`` as the engine streams them; the last
         item has a finish reason. Raises UpstreamError when the stream fails or ends early."""
-        body = _generate_body(rid, token_ids, sampling, kv, True)
-        async with self._call():
-            try:
-                async with self.http.post(self.url + "/inference/v1/generate", json=body, timeout=self.timeout,
-                                          headers=self.headers) as resp:
-                    if resp.status != 200:
-                        await self._json(resp)
-                    async for data in _sse_events(resp):
-                        if data == "[DONE]":
-                            break
-                        event = json.loads(data)
-                        if "error" in event:
-                            error = event["error"]
-                            raise UpstreamError(self, f"stream failed: {error.get('message', error)}",
-                                                status=error.get("code"))
-                        for choice in event.get("choices") or ():
-                            ids, finish = list(choice.get("token_ids") or ()), choice.get("finish_reason")
+        body = self._generate_body(rid, token_ids, sampling, kv, True)
+        read = self._event_reader()
+        finished = False
+        try:
+            async with self._call():
+                try:
+                    async with self.http.post(self.url + self.generate_path, json=body, timeout=self.timeout,
+                                              headers=self.headers) as resp:
+                        if resp.status != 200:
+                            await self._json(resp)
+                        async for data in _sse_events(resp):
+                            if data == "[DONE]":
+                                break
+                            event = json.loads(data)
+                            if "error" in event:
+                                error = event["error"]
+                                finished = True  # the engine ended the request itself
+                                raise UpstreamError(self, f"stream failed: {_message(error)}",
+                                                    status=error.get("code") if isinstance(error, dict) else None)
+                            ids, finish = read(event)
+                            finished = finish is not None
                             if ids or finish:
                                 yield ids, finish
                             if finish:
                                 return
-            except (aiohttp.ClientPayloadError, json.JSONDecodeError) as e:
-                raise UpstreamError(self, f"broken stream ({e!r})", unreachable=True) from None
-        raise UpstreamError(self, "the stream ended before the generation finished", unreachable=True)
+                except (aiohttp.ClientPayloadError, json.JSONDecodeError) as e:
+                    raise UpstreamError(self, f"broken stream ({e!r})", unreachable=True) from None
+            raise UpstreamError(self, "the stream ended before the generation finished", unreachable=True)
+        finally:
+            if not finished:
+                self._abandoned(rid)
+
+    # ---- the dialect: what differs between engines' generate APIs ----------------------------
+    generate_path = "/inference/v1/generate"
+
+    def _generate_body(self, rid: str, token_ids: list[int], sampling: dict, kv: dict | None, stream: bool) -> dict:
+        body = {"request_id": rid, "token_ids": list(token_ids), "sampling_params": dict(sampling), "stream": stream}
+        if kv is not None:
+            body["kv_transfer_params"] = kv
+        return body
+
+    def _event_reader(self) -> Callable[[dict], tuple[list[int], str | None]]:
+        """Reads one stream's events, in order: each to (its new token ids, finish reason or None)."""
+        def read(event: dict) -> tuple[list[int], str | None]:
+            choice = (event.get("choices") or [{}])[0]
+            return list(choice.get("token_ids") or ()), choice.get("finish_reason")
+        return read
+
+    def _abandoned(self, rid: str) -> None:
+        """A stream was left before the engine ended it: closing its connection, which the
+        caller's exit already does, is how vLLM learns it."""
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _call(self) -> "_Call":
@@ -137,8 +168,7 @@ class Upstream:
         except (json.JSONDecodeError, aiohttp.ContentTypeError):
             body = None
         if resp.status != 200:
-            message = body.get("error", {}).get("message") if isinstance(body, dict) and isinstance(
-                body.get("error"), dict) else (body or resp.reason)
+            message = _message(body["error"]) if isinstance(body, dict) and "error" in body else (body or resp.reason)
             raise UpstreamError(self, f"HTTP {resp.status}: {message}", status=resp.status)
         if not isinstance(body, dict):
             raise UpstreamError(self, "the answer is not a JSON object", status=resp.status)
@@ -168,11 +198,9 @@ class _Call:
         return False
 
 
-def _generate_body(rid: str, token_ids: list[int], sampling: dict, kv: dict | None, stream: bool) -> dict:
-    body = {"request_id": rid, "token_ids": list(token_ids), "sampling_params": dict(sampling), "stream": stream}
-    if kv is not None:
-        body["kv_transfer_params"] = kv
-    return body
+def _message(error) -> str:
+    """An engine's error: ``{"message": ...}``, or a bare value (SGLang's schema check answers a string)."""
+    return str(error.get("message", error)) if isinstance(error, dict) else str(error)
 
 
 async def _sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
