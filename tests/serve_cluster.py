@@ -7,7 +7,7 @@ import time
 
 import requests
 
-from pddcore.testing.servers import ServerProcess
+from pddcore.testing.servers import ServerProcess, start_together
 
 TOKEN = "a3f1c0de9b7e4d2a8c6f5e1b0a9d8c7e6f5a4b3c2d1e0f9a"  # 192 bits, for every engine's transfer engine
 
@@ -33,6 +33,11 @@ def gateway(prefill: list[str], relay: list[str], main: list[str], *extra: str, 
     if main:
         args += ["--main", *main]
     return Proc(*args, *extra)
+
+
+def together(starts: dict) -> dict:
+    """``{name: start}`` -> ``{name: server}``, the servers started together."""
+    return dict(zip(starts, start_together(list(starts.values()))))
 
 
 def wait_for(predicate, what: str, timeout_s: float = 60.0):

@@ -152,6 +152,31 @@ def test_measurements_add_up_to_the_tokens_and_contexts(demo):
         assert all(seconds > 0 for seconds in usable.values())
 
 
+def test_the_serve_bench_case_reads_the_run(demo):
+    """`pddcore bench --cases serve` runs this deployment: its figures are the run's own
+    (recomputed here from each request's times and trace), and its table prints them with
+    the gateway's cost per token measured on loopback."""
+    from pddcore.benchmarks.serve_cases import format_table, gateway_cost, summarize
+
+    r = summarize(demo)
+    assert r.requests == 4 and r.identical_tokens
+    for mode in ("pd", "pdd"):
+        requests, summary = demo["runs"][mode]["requests"], r.modes[mode]
+        ttft = [req["times"][0] - req["submitted"] for req in requests]
+        assert summary["ttft_s"][50] == pytest.approx(float(np.median(ttft)))
+        assert summary["ttft_s"][90] == pytest.approx(float(np.percentile(ttft, 90)))
+        assert summary["routes"] == {k: n for k, n in demo["metrics"][mode]["routes"].items() if n}
+        assert summary["wan_kv_bytes"] == demo["metrics"][mode]["wan_bytes"] > 0
+        gaps = [req["trace"]["handoff_gap_s"] for req in requests if req["trace"].get("handoff_gap_s") is not None]
+        assert summary["handoffs"] == len(gaps) and (mode == "pdd" or not gaps)
+    assert r.modes["pdd"]["handoffs"] >= 1 and r.ttft_p90_ratio == pytest.approx(
+        r.modes["pdd"]["ttft_s"][90] / r.modes["pd"]["ttft_s"][90])
+    r.gateway_tpot_ms, r.direct_tpot_ms = gateway_cost(tokens=16, trials=1)
+    assert r.gateway_tpot_ms > 0 and r.direct_tpot_ms > 0
+    table = format_table(r)
+    assert "identical tokens: True" in table and f"{r.gateway_tpot_ratio:.2f}x" in table
+
+
 def _printed(figure: str, value: float | None) -> bool:
     """``figure`` (as printed: "12.3 ms", "0.45", "-") is ``value`` to its printed precision."""
     if value is None:

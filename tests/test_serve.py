@@ -14,18 +14,18 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_cluster import engine, gateway, wait_for
+from pddcore.testing.servers import stop_together
+from serve_cluster import engine, gateway, together, wait_for
 
 MODEL = "pddcore-reference"
 
 
 @pytest.fixture(scope="module")
 def engines():
-    procs = {name: engine(role) for name, role in
-             (("oracle", "decode"), ("p", "prefill"), ("rld", "decode"), ("md", "decode"))}
+    procs = together({name: (lambda role=role: engine(role)) for name, role in
+                      (("oracle", "decode"), ("p", "prefill"), ("rld", "decode"), ("md", "decode"))})
     yield procs
-    for proc in procs.values():
-        proc.stop()
+    stop_together(procs.values())
 
 
 ENGINE_ARGS = {"reference": (), "sglang": ("--dialect", "sglang")}
@@ -41,11 +41,10 @@ def dialect_args(dialect: str, engines) -> list[str]:
 @pytest.fixture(scope="module")
 def sglang_engines(engines):
     """P, RLD and MD in SGLang's dialect; the oracle is the same model in vLLM's."""
-    procs = {name: engine(role, *ENGINE_ARGS["sglang"]) for name, role in
-             (("p", "prefill"), ("rld", "decode"), ("md", "decode"))}
+    procs = together({name: (lambda role=role: engine(role, *ENGINE_ARGS["sglang"])) for name, role in
+                      (("p", "prefill"), ("rld", "decode"), ("md", "decode"))})
     yield {"oracle": engines["oracle"], **procs}
-    for proc in procs.values():
-        proc.stop()
+    stop_together(procs.values())
 
 
 # Router settings that pin each pipeline (the embedded model's KV is 8 KiB per token):
@@ -66,24 +65,23 @@ ROUTES = {
 
 
 def route_gateways(e, dialect: str):
-    return {name: gateway([e["p"].url], [e["rld"].url], [e["md"].url], *args, *dialect_args(dialect, e),
-                          dialect=dialect) for name, args in ROUTES.items()}
+    return together({name: (lambda args=args: gateway([e["p"].url], [e["rld"].url], [e["md"].url], *args,
+                                                      *dialect_args(dialect, e), dialect=dialect))
+                     for name, args in ROUTES.items()})
 
 
 @pytest.fixture(scope="module")
 def gateways(engines):
     procs = route_gateways(engines, "reference")
     yield procs
-    for proc in procs.values():
-        proc.stop()
+    stop_together(procs.values())
 
 
 @pytest.fixture(scope="module")
 def sglang_gateways(sglang_engines):
     procs = route_gateways(sglang_engines, "sglang")
     yield procs
-    for proc in procs.values():
-        proc.stop()
+    stop_together(procs.values())
 
 
 @pytest.fixture(params=["reference", "sglang"])
@@ -416,22 +414,6 @@ def test_concurrent_requests_each_get_their_own_tokens_once(engines, gateways):
     for prompt, (ids, _, trace) in zip(prompts, results):
         assert ids == oracle(engines, prompt, 60), trace
         assert len(trace["sources"]) == 60
-
-
-def test_the_gateway_across_the_emulated_wan():
-    """The bench's serve case on a short trace: P and RLD in one namespace, MD behind the
-    emulated 100 Mbit/s, 25 ms link; cross-DC PD and PDD give the same tokens, PDD starts
-    the fresh document on RLD and sends the follow-ups straight to MD."""
-    from pddcore.benchmarks.serve_cases import format_table, serve_case
-    from pddcore.testing.wan import unavailable_reason
-
-    if (reason := unavailable_reason()) is not None:
-        pytest.skip(reason)
-    r = serve_case(3, document_tokens=256, first_output_tokens=40, output_tokens=12)
-    assert r.identical_tokens
-    assert r.modes["pd"]["routes"] == {"P_MD": 3}
-    assert r.modes["pdd"]["routes"] == {"P_RLD_MD": 1, "P_MD": 2}, r.modes["pdd"]
-    assert r.modes["pd"]["wan_kv_bytes"] > 0 and "identical tokens: True" in format_table(r)
 
 
 def test_link_counters_of_several_prefill_engines_add_up():

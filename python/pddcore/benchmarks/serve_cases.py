@@ -26,10 +26,10 @@ import requests
 from .._stats import percentiles
 from ..deploy import Network, agentic_trace, run_demo
 from ..deploy.cli import LABELS, TTFT_SLO_S
-from ..testing.servers import ServerProcess
+from ..testing.servers import ServerProcess, start_together, stop_together
 from .results import Result
 
-__all__ = ["ServeResult", "serve_case", "format_table"]
+__all__ = ["ServeResult", "serve_case", "summarize", "gateway_cost", "format_table"]
 
 BANDWIDTH_MBIT, DELAY_MS = 100, 25.0  # pddcore demo's link
 
@@ -93,7 +93,7 @@ def gateway_cost(tokens: int = 200, trials: int = 3) -> tuple[float, float]:
     """Median TPOT (ms) of the same greedy request streamed through a gateway and directly
     from the engine that decodes it, on loopback."""
     with tempfile.TemporaryDirectory(prefix="pddcore-bench-serve-") as tmp:
-        p, d = _engine("prefill", tmp), _engine("decode", tmp)
+        p, d = start_together([lambda: _engine("prefill", tmp), lambda: _engine("decode", tmp)])
         gw = ServerProcess(["serve", "--engine", "reference", "--port", "0", "--prefill", p.url, "--relay", d.url],
                            env={"PDDCORE_AUTH_TOKEN": _TOKEN}, log_path=os.path.join(tmp, "gateway.log"))
         try:
@@ -106,22 +106,29 @@ def gateway_cost(tokens: int = 200, trials: int = 3) -> tuple[float, float]:
                 via.append(_tpot_ms(_stream_times(gw.url, "/v1/completions", {
                     "prompt": prompt, "stream": True, "return_token_ids": True, **sampling})))
         finally:
-            for proc in (gw, d, p):
-                proc.stop()
+            stop_together((gw, d, p))
     return percentiles(via)[50], percentiles(direct)[50]
 
 
-def serve_case(requests: int = 12, **trace: int) -> ServeResult:
-    """``trace``: :func:`pddcore.deploy.agentic_trace` options (the demo's by default)."""
+def serve_case(requests: int = 12, *, cost_tokens: int = 200, cost_trials: int = 3, **trace: int) -> ServeResult:
+    """``trace``: :func:`pddcore.deploy.agentic_trace` options (the demo's by default);
+    ``cost_tokens`` and ``cost_trials``: the size of :func:`gateway_cost`'s measurement."""
     scenario = agentic_trace(requests, **trace)
-    result = ServeResult(requests)
     with Network(BANDWIDTH_MBIT * 1e6, DELAY_MS) as network:
         demo = run_demo(scenario, network, overrides={mode: {"ttft_slo_s": TTFT_SLO_S} for mode in LABELS})
+    result = summarize(demo)
+    result.gateway_tpot_ms, result.direct_tpot_ms = gateway_cost(cost_tokens, cost_trials)
+    return result
+
+
+def summarize(demo: dict) -> ServeResult:
+    """The figures of a :func:`pddcore.deploy.run_demo` result of both modes (``pd`` and
+    ``pdd``), less the gateway's cost per token."""
+    result = ServeResult(len(demo["runs"]["pd"]["requests"]))
     for mode in LABELS:
         result.modes[mode] = _summary(demo["runs"][mode], demo["metrics"][mode])
     tokens = {mode: [r["tokens"] for r in demo["runs"][mode]["requests"]] for mode in LABELS}
     result.identical_tokens = tokens["pd"] == tokens["pdd"] and all(c["pass"] for c in demo["correctness"].values())
-    result.gateway_tpot_ms, result.direct_tpot_ms = gateway_cost()
     return result
 
 

@@ -26,7 +26,7 @@ from typing import Callable
 
 import requests
 
-from ..testing.servers import ServerProcess
+from ..testing.servers import ServerProcess, start_together, stop_together
 from .network import Network, Placement
 from .trace import Scenario
 
@@ -89,12 +89,12 @@ def run_deployment(config: RunConfig, scenario: Scenario, network: Network,
     place = network.placement()
     with tempfile.TemporaryDirectory(prefix="pddcore-demo-") as tmp, ExitStack() as stack:
         servers = _Servers(place, config, tmp, stack)
-        p = servers.engine("P", "a", "prefill")
-        engines = {"P": p.url}
-        if config.mode == "pdd":
-            engines["RLD"] = servers.engine("RLD", "a", "decode").url
-        md = servers.engine("MD", "b", "decode", *place.md_args)
-        engines["MD"] = place.md_url_from_a or md.url
+        roles = {"P": ("a", "prefill"), **({"RLD": ("a", "decode")} if config.mode == "pdd" else {}),
+                 "MD": ("b", "decode", *place.md_args)}
+        started = servers.engines(roles)
+        p = started["P"]
+        engines = {name: proc.url for name, proc in started.items()}
+        engines["MD"] = place.md_url_from_a or engines["MD"]
         for role in engines.keys() - {"P"}:
             _in_cluster_a(place, _warm_up, p.url, engines[role])
         gateway = servers.gateway(engines, network)
@@ -117,26 +117,38 @@ class _Servers:
     """The run's servers, each stopped when the run's stack unwinds."""
 
     def __init__(self, place: Placement, config: RunConfig, tmp: str, stack: ExitStack):
-        self.place, self.config, self.tmp, self.stack = place, config, tmp, stack
+        self.place, self.config, self.tmp = place, config, tmp
         self.env = {"PDDCORE_AUTH_TOKEN": secrets.token_hex(32)}
         self.procs: dict[str, ServerProcess] = {}
+        stack.callback(lambda: stop_together(self.procs.values()))
 
-    def _start(self, name: str, side: str, args: list[str]) -> ServerProcess:
+    def _start(self, names: list[str], sides: list[str], argvs: list[list[str]]) -> list[ServerProcess]:
+        """Starts the servers together (their start-ups overlap)."""
+        def start(name: str, side: str, args: list[str]) -> Callable[[], ServerProcess]:
+            def run() -> ServerProcess:
+                try:
+                    return ServerProcess(args, where=self.place.where[side], env=self.env,
+                                         log_path=os.path.join(self.tmp, f"{name}.log"))
+                except RuntimeError as e:
+                    raise DeploymentError(f"{name} did not start: {e}") from None
+            return run
+
         try:
-            proc = ServerProcess(args, where=self.place.where[side], env=self.env,
-                                 log_path=os.path.join(self.tmp, f"{name}.log"))
-        except RuntimeError as e:
-            raise DeploymentError(f"{name} did not start: {e}\n{self.tails()}") from None
-        self.stack.callback(proc.stop)
-        self.procs[name] = proc
-        return proc
+            procs = start_together([start(*spec) for spec in zip(names, sides, argvs)])
+        except DeploymentError as e:
+            raise DeploymentError(f"{e}\n{self.tails()}") from None
+        self.procs.update(zip(names, procs))
+        return procs
 
-    def engine(self, name: str, side: str, role: str, *listen: str) -> ServerProcess:
+    def engines(self, roles: dict[str, tuple[str, ...]]) -> dict[str, ServerProcess]:
+        """``roles``: name -> (side, role, listen options...; none: the side's host, port 0)."""
         model = self.config.model
-        args = ["engine", "--role", role, "--pool-pages", str(self.config.pool_pages),
-                "--page-size", str(self.config.page_size)]
-        args += ["--model", model["path"]] if model.get("path") else ["--seed", str(model.get("seed", 0))]
-        return self._start(name, side, args + list(listen or ("--host", self.place.host[side], "--port", "0")))
+        common = ["--pool-pages", str(self.config.pool_pages), "--page-size", str(self.config.page_size)]
+        common += ["--model", model["path"]] if model.get("path") else ["--seed", str(model.get("seed", 0))]
+        sides = [side for side, *_ in roles.values()]
+        argvs = [["engine", "--role", role, *common, *(listen or ("--host", self.place.host[side], "--port", "0"))]
+                 for side, role, *listen in roles.values()]
+        return dict(zip(roles, self._start(list(roles), sides, argvs)))
 
     def gateway(self, engines: dict[str, str], network: Network) -> ServerProcess:
         c = self.config
@@ -148,7 +160,7 @@ class _Servers:
         args += ["--relay", engines["RLD"]] if "RLD" in engines else []
         if c.md_transfer_timeout_s is not None:
             args += ["--prefetch-timeout-s", str(c.md_transfer_timeout_s)]
-        return self._start("gateway", "a", args)
+        return self._start(["gateway"], ["a"], [args])[0]
 
     def kill(self, name: str) -> None:
         self.procs[name].kill()
