@@ -29,6 +29,8 @@ cmake --build "$build" --target "${targets[@]}" -j "$(nproc)" >> "$build/build.l
 echo "built in $((SECONDS - started)) s"
 
 status=0
+# A temporary directory of its own: the pytest suite may run beside this one (tests/run.sh).
+basetemp="$PWD/$build/pytest-tmp"
 tests_started=$SECONDS
 (
   PDDCORE_SANITIZED_C="$(realpath "$build"/_C.*.so)"
@@ -43,14 +45,14 @@ tests_started=$SECONDS
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan"
   python -c 'import os, pddcore._C as c; assert c.__file__ == os.environ["PDDCORE_SANITIZED_C"], c.__file__'
   python -m pytest tests/test_transfer_tcp.py tests/test_transfer_security.py tests/test_transfer_tls.py \
-    tests/test_transfer_certificates.py -q -p no:cacheprovider "$@"
+    tests/test_transfer_certificates.py -q -p no:cacheprovider --basetemp="$basetemp" "$@"
 ) || status=$?
 echo "transfer, security and TLS tests: $((SECONDS - tests_started)) s"
 cases_started=$SECONDS
 # Only the files that hold C++ cases: collecting every test imports the engines (a minute).
 mapfile -t case_files < <(grep -l "case_test(" tests/test_*.py)
 PDDCORE_SANITIZE=1 ASAN_OPTIONS="detect_leaks=1:log_path=$reports/asan" UBSAN_OPTIONS="log_path=$reports/ubsan" \
-  python -m pytest "${case_files[@]}" -k cpp- -q -p no:cacheprovider || status=$?
+  python -m pytest "${case_files[@]}" -k cpp- -q -p no:cacheprovider --basetemp="$basetemp" || status=$?
 echo "C++ unit cases: $((SECONDS - cases_started)) s"
 
 if compgen -G "$reports/*" > /dev/null; then
