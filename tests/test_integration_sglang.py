@@ -386,6 +386,152 @@ def test_a_sender_failing_while_its_peer_is_frozen_returns_at_once_and_frees_its
         server.close()
 
 
+def prefill_side(cmd: dict, out) -> None:
+    """Child process: a bootstrap server and one prefill rank (TP 1, two KV heads) with a sender
+    for one room; reports its engine's address, then the sender's state once the decode rank
+    registered, then how the sender ended."""
+    torch.set_num_threads(1)
+    server = pdd.PDDKVBootstrapServer("127.0.0.1", cmd["port"])
+    mgr = pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0).args, "prefill", _server_args(cmd["port"]))
+    try:
+        sender = pdd.PDDKVSender(mgr, f"127.0.0.1:{cmd['port']}", cmd["room"])
+        out.send({"address": mgr.engine.address})
+        deadline = time.monotonic() + 120
+        while sender.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+            time.sleep(0.005)
+        out.send({"registered": sender.poll()})
+        while sender.poll() not in TERMINAL and time.monotonic() < deadline:
+            time.sleep(0.005)
+        out.send({"state": sender.poll(), "failure": sender._failure})
+    except Exception as exc:  # report instead of hanging the parent
+        out.send({"crash": repr(exc)})
+    finally:
+        mgr.close()
+        server.close()
+
+
+@pytest.fixture
+def prefill_process(loopback_data_address):
+    """A function that starts :func:`prefill_side` for ``(port, room)`` in a process of its own
+    and returns that process's pipe and pid."""
+    ctx = mp.get_context("spawn")
+    procs = []
+
+    def start(port: int, room: int):
+        parent, child = ctx.Pipe()
+        procs.append(ctx.Process(target=prefill_side, args=({"port": port, "room": room}, child), daemon=True))
+        procs[-1].start()
+        return parent, procs[-1].pid
+
+    yield start
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGCONT)  # never leave it stopped, whatever a test did
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+class _Frozen:
+    """SIGSTOPs ``pid`` on entry; SIGCONTs it by :meth:`resume` or, whatever happened, on exit."""
+
+    def __init__(self, pid: int):
+        self.pid, self.frozen = pid, False
+
+    def __enter__(self) -> "_Frozen":
+        os.kill(self.pid, signal.SIGSTOP)
+        self.frozen = True
+        return self
+
+    def resume(self) -> None:
+        if self.frozen:
+            os.kill(self.pid, signal.SIGCONT)
+            self.frozen = False
+
+    def __exit__(self, *exc) -> None:
+        self.resume()
+
+
+def _watch_connects(monkeypatch, mgr, address: str) -> tuple[threading.Event, threading.Event]:
+    """Events set when ``mgr``'s engine starts, and when it ends, a connect to ``address``."""
+    started, ended = threading.Event(), threading.Event()
+    connect = mgr.engine.connect
+
+    def watched(to: str, *args):
+        if to != address:
+            return connect(to, *args)
+        started.set()
+        try:
+            return connect(to, *args)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(mgr.engine, "connect", watched)
+    return started, ended
+
+
+def test_a_receiver_failing_while_its_prefill_is_frozen_returns_at_once_and_tells_it_later(
+        prefill_process, monkeypatch):
+    """The prefill process is stopped (SIGSTOP) once the decode rank registered, and the decode
+    side's connection to it dropped: the failure notice must reconnect first, which the frozen
+    peer cannot answer (up to the engine's timeout_s). abort() on SGLang's scheduler thread
+    returns before that connect does, with the request Failed; once the peer runs again the
+    notice reaches it and its sender fails with the decode side's reason."""
+    port, room = _free_port(), 81
+    pipe, prefill_pid = prefill_process(port, room)
+    prefill_address = _receive(pipe)["address"]
+    decode = pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0, publish_heads=False).args, "decode",
+                              _server_args(_free_port()))
+    try:
+        receiver = pdd.PDDKVReceiver(decode, f"127.0.0.1:{port}", room, timeout_s=60)
+        _wait(lambda: receiver.poll() != KVPoll.Bootstrapping)
+        receiver.send_metadata(np.array([1, 2], dtype=np.int32), aux_index=0)
+        assert _receive(pipe)["registered"] == KVPoll.WaitingForInput
+        connecting, connected = _watch_connects(monkeypatch, decode, prefill_address)
+        with _Frozen(prefill_pid) as frozen:
+            decode.peers.connect(prefill_address).close()
+            receiver.abort()
+            assert receiver.poll() == KVPoll.Failed
+            assert not connected.is_set()  # returned while the notice's reconnect waits on the frozen peer
+            _wait(connecting.is_set)  # the notice is on its way, from another thread
+            frozen.resume()
+        result = _receive(pipe)
+        assert result["state"] == KVPoll.Failed and "aborted by the decode side" in result["failure"], result
+    finally:
+        decode.close()
+
+
+def test_the_message_thread_serves_other_peers_while_a_reconnect_waits_on_a_frozen_one(
+        prefill_process, monkeypatch):
+    """A decode manager knows two prefill engines: one in a process that is stopped (SIGSTOP)
+    after the decode rank registered with it, its connection dropped and a reconnect to it
+    waiting on another thread (up to the engine's timeout_s), and one running here. The
+    manager's message thread checks each chunk notice's sender (``Peers.is_from``) and must
+    complete a request from the running prefill before that reconnect returns."""
+    port, room = _free_port(), 82
+    pipe, prefill_pid = prefill_process(port, room)
+    frozen_address = _receive(pipe)["address"]
+    pair = Pair()
+    try:
+        receiver = pdd.PDDKVReceiver(pair.decode, f"127.0.0.1:{port}", room, timeout_s=60)
+        _wait(lambda: receiver.poll() != KVPoll.Bootstrapping)
+        receiver.send_metadata(np.array([1, 2], dtype=np.int32), aux_index=0)
+        assert _receive(pipe)["registered"] == KVPoll.WaitingForInput
+        connecting, connected = _watch_connects(monkeypatch, pair.decode, frozen_address)
+        with _Frozen(prefill_pid):
+            pair.decode.peers.connect(frozen_address).close()
+            reconnect = threading.Thread(target=pair.decode.peers.connect, args=(frozen_address,), daemon=True)
+            reconnect.start()
+            _wait(connecting.is_set)
+            assert pair.move(room + 1, [3, 4], [5, 6]) == (KVPoll.Success, KVPoll.Success)
+            assert not connected.is_set()  # served while the reconnect still waits on the frozen peer
+        reconnect.join()
+        receiver.abort()
+        result = _receive(pipe)
+        assert result["state"] == KVPoll.Failed and "aborted by the decode side" in result["failure"], result
+    finally:
+        pair.close()
+
+
 # ---- one process: both sides' managers side by side -------------------------------------------------
 
 class Pair:

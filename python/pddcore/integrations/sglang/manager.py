@@ -276,6 +276,7 @@ class PDDKVManager(BaseKVManager):
         self._pump.join()
         if self.poster is not None:
             self.poster.close()
+        self.peers.close()
         self.staging.close()
         self.engine.close()
 

@@ -221,9 +221,11 @@ class PDDKVReceiver(BaseKVReceiver):
             self._tell_peers(reason)
 
     def _tell_peers(self, reason: str) -> None:
+        # Posted: on SGLang's scheduler thread, a notice to a prefill rank gone or frozen would
+        # first wait on a reconnect (up to the engine's timeout_s).
         self._peers_told = True
         for address in self.bootstrap_infos + [self._addresses[src_rank] for src_rank in self._unread]:
-            self.kv_mgr.peers.send(address, "fail", room=self.room, reason=reason)
+            self.kv_mgr.peers.post(address, "fail", room=self.room, reason=reason)
 
     def poll(self) -> int:
         failure = self.kv_mgr.inbox(self.room).failure

@@ -87,10 +87,9 @@ class PDDKVSender(BaseKVSender):
         # go back once no write can read them any more, whether or not SGLang polls again.
         buffers, self._buffers = self._buffers, []
         cancel_all(self._transfers, then=functools.partial(self._release, buffers))
-        if tell_peers:  # from the poster's thread too: a notice to a peer gone may first wait on a connect
+        if tell_peers:  # posted too: a notice to a peer gone may first wait on a reconnect
             for reg in self.kv_mgr.inbox(self.room).registrations:
-                self.kv_mgr.poster.post(functools.partial(self.kv_mgr.peers.send, reg.peer_address, "fail",
-                                                          room=self.room, reason=reason))
+                self.kv_mgr.peers.post(reg.peer_address, "fail", room=self.room, reason=reason)
 
     def _release(self, buffers: list[StagingBuffer]) -> None:
         for buf in buffers:

@@ -1,0 +1,249 @@
+"""Connections to peer engines by address (pddcore.peer_cache.PeerCache) and the adapters'
+control messages over them (pddcore.integrations._peers.Peers), with a peer that is frozen:
+a real engine in a child process stopped with SIGSTOP, whose connection was dropped, so that
+a connect to it waits (up to the engine's timeout_s) for a hello it cannot send.
+
+Nothing waiting on the frozen peer may hold up a connect to another address, the question
+who sent a message (``is_from``), or a control message to another peer: each is checked to
+have returned while the connect to the frozen peer still waits (an event set when that
+connect returns), never against a clock."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from pddcore.integrations._messages import MessageSchema, is_int, is_str
+from pddcore.integrations._peers import Peers
+from pddcore.peer_cache import PeerCache
+from pddcore.transfer import Message, TransferEngine
+
+from transfer_peer import RemoteEngine
+
+DEADLINE_S = 60  # only so that a regression fails instead of hanging; no speed is measured
+SCHEMA = MessageSchema(b"PDDT1", "peers test", key="req", key_check=is_str, kinds={"note": {"n": is_int}})
+log = logging.getLogger(__name__)
+
+
+@pytest.fixture
+def engine():
+    with TransferEngine(listen="127.0.0.1:0") as e:
+        yield e
+
+
+@pytest.fixture
+def remote():
+    """An engine in a child process (:class:`RemoteEngine`), running again at teardown
+    whatever a test did to it."""
+    peer = RemoteEngine(listen="127.0.0.1:0")
+    yield peer
+    os.kill(peer.process.pid, signal.SIGCONT)
+    peer.close()
+
+
+class Connects:
+    """Watches ``engine.connect`` to ``address``: ``started`` once one began, ``ended`` once
+    one returned or raised, ``count`` of them."""
+
+    def __init__(self, monkeypatch, engine: TransferEngine, address: str):
+        self.started, self.ended, self.count = threading.Event(), threading.Event(), 0
+        connect = engine.connect
+
+        def watched(to: str, *args):
+            if to != address:
+                return connect(to, *args)
+            self.count += 1
+            self.started.set()
+            try:
+                return connect(to, *args)
+            finally:
+                self.ended.set()
+
+        monkeypatch.setattr(engine, "connect", watched)
+
+
+def _wait_for_data_streams(engine: TransferEngine, address: str) -> None:
+    """Waits until every data stream to ``address`` is dialed: closing a connection waits for
+    a data stream still dialing, which a frozen peer would hold up to the engine's timeout_s."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        peer = engine.stats()["peers"][address]
+        if sum(peer["congestion_control"].values()) == peer["streams"]:
+            return
+        assert time.monotonic() < deadline, f"the data streams to {address} were never dialed"
+        time.sleep(0.005)
+
+
+class Frozen:
+    """``remote`` stopped (SIGSTOP) with ``get``'s connection to it dropped, and ``get`` called
+    again on a thread of its own: that reconnect waits on the frozen peer until :meth:`resume`."""
+
+    def __init__(self, monkeypatch, engine: TransferEngine, remote: RemoteEngine, get):
+        self.remote, self.pid = remote, remote.process.pid
+        self.engine_id = get(remote.address).engine_id
+        _wait_for_data_streams(engine, remote.address)
+        self.connects = Connects(monkeypatch, engine, remote.address)
+        os.kill(self.pid, signal.SIGSTOP)
+        get(remote.address).close()
+        self.result: list = []
+        self.reconnect = threading.Thread(target=lambda: self.result.append(get(remote.address)), daemon=True)
+        self.reconnect.start()
+        assert self.connects.started.wait(DEADLINE_S)
+
+    def resume(self):
+        """Lets the peer run and returns the reconnected peer."""
+        os.kill(self.pid, signal.SIGCONT)
+        self.reconnect.join(DEADLINE_S)
+        assert not self.reconnect.is_alive()
+        return self.result[0]
+
+
+def _message_from(engine_id: int, address: str) -> Message:
+    """What ``poll_messages`` returns for a message from engine ``engine_id``: ``is_from`` reads
+    its ``sender_engine_id``, which the hello (covered by the auth token's HMAC) fixed."""
+    return Message(address, engine_id, SCHEMA.encode("note", req="r", n=0), False)
+
+
+# ---- PeerCache ------------------------------------------------------------------------------
+
+def test_a_connect_to_a_frozen_peer_holds_up_no_other_address(monkeypatch, engine, remote):
+    cache = PeerCache(engine)
+    frozen = Frozen(monkeypatch, engine, remote, cache.get)
+    with TransferEngine(listen="127.0.0.1:0") as live:
+        peer = cache.get(live.address)
+        assert peer.connected and peer.engine_id == live.engine_id == cache.engine_id(live.address)
+        assert cache.engine_id(remote.address) == frozen.engine_id and not cache.connected(remote.address)
+        assert not frozen.connects.ended.is_set()  # all this while the reconnect still waits
+        again = frozen.resume()
+    assert again.connected and again.engine_id == frozen.engine_id and cache.connected(remote.address)
+    assert cache.get(remote.address) is again and frozen.connects.count == 1  # the live connection, reused
+
+
+def test_two_threads_reconnecting_to_one_address_make_one_connection(monkeypatch, engine, remote):
+    cache = PeerCache(engine)
+    frozen = Frozen(monkeypatch, engine, remote, cache.get)
+    second: list = []
+    waiting = threading.Thread(target=lambda: second.append(cache.get(remote.address)), daemon=True)
+    waiting.start()
+    first = frozen.resume()
+    waiting.join(DEADLINE_S)
+    assert second == [first] and frozen.connects.count == 1
+
+
+def test_the_engine_id_of_an_address_follows_a_restart_there(engine):
+    cache = PeerCache(engine)
+    assert cache.engine_id("127.0.0.1:1") is None and not cache.connected("127.0.0.1:1")  # never connected
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with TransferEngine(listen=f"127.0.0.1:{port}") as first:
+        address, first_id = first.address, first.engine_id
+        assert cache.get(address).engine_id == first_id
+    # The first engine's connection is gone: the id stays that of the engine last reached.
+    with TransferEngine(listen=f"127.0.0.1:{port}") as second:
+        assert second.address == address and second.engine_id != first_id
+        assert cache.engine_id(address) == first_id
+        assert cache.get(address).engine_id == second.engine_id == cache.engine_id(address)
+
+
+# ---- Peers.is_from --------------------------------------------------------------------------
+
+def test_is_from_answers_for_a_frozen_peer_without_waiting_on_its_reconnect(monkeypatch, engine, remote):
+    peers = Peers(engine, SCHEMA, log)
+    try:
+        frozen = Frozen(monkeypatch, engine, remote, peers.connect)
+        assert peers.is_from(_message_from(frozen.engine_id, remote.address), remote.address)
+        assert not frozen.connects.ended.is_set()  # answered while the reconnect still waits
+        with TransferEngine(listen="127.0.0.1:0") as other:
+            # Another engine naming the frozen peer's address, whose connection dropped: the id
+            # it states is not the one last reached there, so the question waits for the
+            # reconnect to learn who listens there now, and never attributes the message.
+            answer: list = []
+            asking = threading.Thread(target=lambda: answer.append(
+                peers.is_from(_message_from(other.engine_id, remote.address), remote.address)), daemon=True)
+            asking.start()
+            frozen.resume()
+            asking.join(DEADLINE_S)
+            assert answer == [False]
+    finally:
+        peers.close()
+
+
+def test_is_from_refuses_another_engine_while_the_connection_is_up_without_connecting(monkeypatch, engine):
+    peers = Peers(engine, SCHEMA, log)
+    with TransferEngine(listen="127.0.0.1:0") as listening, TransferEngine(listen="127.0.0.1:0") as other:
+        peers.connect(listening.address)  # nothing posted: no close() needed
+        connects = Connects(monkeypatch, engine, listening.address)
+        assert not peers.is_from(_message_from(other.engine_id, listening.address), listening.address)
+        assert peers.is_from(_message_from(listening.engine_id, listening.address), listening.address)
+        assert connects.count == 0
+
+
+def test_is_from_learns_the_engine_restarted_at_an_address(engine):
+    """Never connected: is_from connects to learn who listens there. After a restart at the same
+    address the old connection is gone and the sender states a new id: is_from connects again
+    and from then on refuses the old engine's id."""
+    peers = Peers(engine, SCHEMA, log)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with TransferEngine(listen=f"127.0.0.1:{port}") as first:
+        address, first_id = first.address, first.engine_id
+        assert peers.is_from(_message_from(first_id, address), address)
+    with TransferEngine(listen=f"127.0.0.1:{port}") as second:
+        assert peers.is_from(_message_from(second.engine_id, address), address)
+        assert not peers.is_from(_message_from(first_id, address), address)
+    peers.close()
+
+
+# ---- Peers.post -----------------------------------------------------------------------------
+
+def _received(remote: RemoteEngine, count: int) -> list[int]:
+    """The ``n`` of the next ``count`` notes ``remote`` receives, in arrival order."""
+    got: list[int] = []
+    while len(got) < count:
+        batch = remote.call("wait_message", DEADLINE_S, None)
+        assert batch, "the peer received nothing"
+        got += [SCHEMA.decode(payload)["n"] for _, payload, _, _ in batch]
+    return got
+
+
+def test_post_returns_at_once_keeps_the_order_to_a_frozen_peer_and_holds_up_no_other(monkeypatch, engine, remote):
+    peers = Peers(engine, SCHEMA, log)
+    try:
+        frozen = Frozen(monkeypatch, engine, remote, peers.connect)
+        for n in range(5):
+            peers.post(remote.address, "note", req="r", n=n)   # the first waits on the reconnect
+        with TransferEngine(listen="127.0.0.1:0") as live:
+            peers.post(live.address, "note", req="r", n=99)
+            assert [SCHEMA.decode(m.payload)["n"] for m in live.poll_messages(timeout=DEADLINE_S)] == [99]
+            assert not frozen.connects.ended.is_set()  # delivered while the frozen peer's notes wait
+        frozen.resume()
+        assert _received(remote, 5) == [0, 1, 2, 3, 4]
+    finally:
+        peers.close()
+
+
+def test_close_drops_what_is_not_sent_waits_for_what_is_and_refuses_later_posts(monkeypatch, engine, remote):
+    peers = Peers(engine, SCHEMA, log)
+    frozen = Frozen(monkeypatch, engine, remote, peers.connect)
+    sending, connect = threading.Event(), peers.connect
+    monkeypatch.setattr(peers, "connect", lambda address: sending.set() or connect(address))
+    peers.post(remote.address, "note", req="r", n=0)
+    assert sending.wait(DEADLINE_S)  # note 0 is being sent: it waits for the reconnect under way
+    peers.post(remote.address, "note", req="r", n=1)
+    closing = threading.Thread(target=peers.close, daemon=True)
+    closing.start()
+    frozen.resume()
+    closing.join(DEADLINE_S)
+    assert not closing.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        peers.post(remote.address, "note", req="r", n=2)
+    peers.send(remote.address, "note", req="r", n=3)  # sending in the caller's thread still works
+    assert _received(remote, 2) == [0, 3]  # note 1 was dropped, note 2 refused
