@@ -166,6 +166,7 @@ class WorkerBase:
         return results.finished_sending or None, results.finished_recving or None
 
     def _close_worker(self) -> None:
+        self._peers.close()
         self.engine.close()
 
     def shutdown(self) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +70,6 @@ class ConsumerWorker(WorkerBase):
         self._load_errors: set[int] = set()
         # Loads reported finished whose unpack may still run: (event after it, load, scratch buffer).
         self._unpacking: list[tuple[Any, _PendingLoad, StagingBuffer | None]] = []
-        # Heartbeats leave from their own thread: a producer that does not answer a connect
-        # must not hold up the forward.
-        self._heartbeat_sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdd-heartbeat")
 
     def _message_handlers(self) -> dict[str, Handler]:
         return {**super()._message_handlers(), "done": self._on_done, "fail": self._on_fail}
@@ -83,24 +79,21 @@ class ConsumerWorker(WorkerBase):
         self._release_unpacked()
         super()._progress()
 
-    def _close_worker(self) -> None:
-        self._heartbeat_sender.shutdown(wait=True, cancel_futures=True)
-        super()._close_worker()
-
     @on_kv_device
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, PDDConnectorMetadata):
             return
+        # Drops and heartbeats are posted: a producer that does not answer a connect must not
+        # hold up the forward.
         for req_id, params in meta.cancelled_loads.items():
             for address in producer_addresses(params):
-                self._peers.send(address, "drop", req=params.get("remote_request_id"), d_req=req_id,
+                self._peers.post(address, "drop", req=params.get("remote_request_id"), d_req=req_id,
                                  d_engine=self.engine_id)
         for remote_req, heartbeat in meta.heartbeats.items():
             # Each producer rank hears from one rank of this consumer: r, r + tp, ... from rank r.
             for address in heartbeat.addresses[self.tp_rank::self.tp_size]:
-                self._heartbeat_sender.submit(self._peers.send, address, "alive", req=remote_req,
-                                              key=heartbeat.lease_key)
+                self._peers.post(address, "alive", req=remote_req, key=heartbeat.lease_key)
         for req_id, load in meta.loads.items():
             try:
                 self._start(req_id, load)
@@ -136,7 +129,7 @@ class ConsumerWorker(WorkerBase):
             sources = [(self.tp_rank % len(addresses), None, None)]
             # The producer ranks no rank of this TP size reads: rank r tells those of index r + k * tp.
             for unread in addresses[self.tp_size + self.tp_rank::self.tp_size]:
-                self._peers.send(unread, "drop", req=params["remote_request_id"], d_req=req_id,
+                self._peers.post(unread, "drop", req=params["remote_request_id"], d_req=req_id,
                                  d_engine=self.engine_id)
         else:
             sources = head_slices(self.total_kv_heads, len(addresses), self.tp_size, self.tp_rank)

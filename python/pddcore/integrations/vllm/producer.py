@@ -218,7 +218,7 @@ class ProducerWorker(WorkerBase):
             reason = f"producer has no KV for {req}"
             if req in self._unstaged:
                 reason += f": {self._unstaged[req][0]}"
-            self._peers.send(msg["reply"], "fail", req=msg["d_req"], reason=reason)
+            self._peers.post(msg["reply"], "fail", req=msg["d_req"], reason=reason)
             return
         if msg["d_tp"] <= 0:
             raise MalformedMessage(f"pull for {req}: d_tp={msg['d_tp']}", req)
@@ -262,7 +262,7 @@ class ProducerWorker(WorkerBase):
             try:
                 self._serve_one(req_id, staged, address, pull)
             except Exception as exc:
-                self._peers.send(address, "fail", req=pull["d_req"], reason=f"producer could not send: {exc}")
+                self._peers.post(address, "fail", req=pull["d_req"], reason=f"producer could not send: {exc}")
                 self._answered(staged, pull)
         self._finish_if_served(req_id)
 
@@ -316,7 +316,7 @@ class ProducerWorker(WorkerBase):
                     remaining.append((transfer, own, pull))
                     continue
                 if transfer.status != "done":
-                    self._peers.send(pull["reply"], "fail", req=pull["d_req"], reason=f"transfer {transfer.error}")
+                    self._peers.post(pull["reply"], "fail", req=pull["d_req"], reason=f"transfer {transfer.error}")
                 if own is not None:
                     self.staging.release(own)
                 self._answered(self._staged[req_id], pull)

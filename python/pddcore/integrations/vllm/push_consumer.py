@@ -116,7 +116,7 @@ class PushConsumer(ConsumerWorker):
             raise MalformedMessage(f"reserve from {message.sender} names another engine ({reply}) to answer", key)
         stream = (message.sender_engine_id, key.encode())
         if stream in self._reservations:
-            self._peers.send(reply, "refused", req=key, reason=f"a push buffer for {key} is reserved already")
+            self._peers.post(reply, "refused", req=key, reason=f"a push buffer for {key} is reserved already")
             return
         problem, buffer = self._reservation_problem(msg["nbytes"], msg["num_layers"]), None
         if problem is None:
@@ -127,9 +127,9 @@ class PushConsumer(ConsumerWorker):
         reservation = self._reservations[stream] = _Reservation(
             reply, msg["nbytes"], msg["num_layers"], time.monotonic() + self.lease_s, buffer, failure=problem)
         if problem:
-            self._peers.send(reply, "refused", req=key, reason=problem)
+            self._peers.post(reply, "refused", req=key, reason=problem)
         else:
-            self._peers.send(reply, "reserved", req=key, region=reservation.buffer.region.descriptor().hex(), offset=0)
+            self._peers.post(reply, "reserved", req=key, region=reservation.buffer.region.descriptor().hex(), offset=0)
         waiting = next((req for req, pushed in self._pushed.items() if pushed.stream == stream), None)
         if waiting is not None:
             self._claim_push(self._pending_loads[waiting])

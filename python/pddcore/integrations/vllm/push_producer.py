@@ -3,9 +3,9 @@ ranks (``pdd_push_to``) is streamed to them layer by layer from ``save_kv_layer`
 later layers still compute.
 
 At the request's first layer each consumer rank this rank feeds gets a ``reserve``; its
-``reserved`` answer names a push buffer there. The push's control messages leave from one
-background thread, in order (a first connection to a consumer never stalls the forward, and
-a ``stream_failed`` never overtakes its ``reserve``). From then on every packed layer
+``reserved`` answer names a push buffer there. The push's control messages are posted
+(``Peers.post``: a first connection to a consumer never stalls the forward, and a
+``stream_failed`` never overtakes its ``reserve`` to that consumer). From then on every packed layer
 is posted at once as one part of a :class:`~pddcore.streaming.LayerStreamSender`; the layers
 packed before the answer go out from whichever runs first of the next ``save_kv_layer``,
 ``wait_for_save`` or the worker's message pump. On a GPU a layer is posted once its pack
@@ -23,7 +23,6 @@ A push that fails (refused, a write failed, the request was dropped) tells the c
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -76,7 +75,6 @@ class PushProducer(ProducerWorker):
     def _init_worker(self, extra: dict) -> None:
         super()._init_worker(extra)
         self._pushes: dict[str, _Push] = {}   # req -> its push, while its staged copy lasts
-        self._push_messages = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdd-push")
 
     def _message_handlers(self) -> dict[str, Handler]:
         return {**super()._message_handlers(), "reserved": self._on_reserved, "refused": self._on_refused}
@@ -84,10 +82,6 @@ class PushProducer(ProducerWorker):
     def _progress(self) -> None:
         self._progress_pushes()
         super()._progress()
-
-    def _close_worker(self) -> None:
-        self._push_messages.shutdown(wait=True, cancel_futures=True)
-        super()._close_worker()
 
     def _staged_started(self, req_id: str, staged: _Staged, meta: PDDConnectorMetadata) -> None:
         """Asks each consumer rank this rank feeds for a push buffer. Rank ``r`` of ``tp``
@@ -100,11 +94,8 @@ class PushProducer(ProducerWorker):
         self._pushes[req_id] = _Push(staged, targets)
         staged.shares[PUSH_SHARE] = Share(len(targets))
         for target in targets:
-            self._send_push_message(target.address, "reserve", req=req_id, nbytes=staged.buffer.nbytes,
+            self._peers.post(target.address, "reserve", req=req_id, nbytes=staged.buffer.nbytes,
                                     num_layers=self.layout.num_layers, reply=self.address)
-
-    def _send_push_message(self, address: str, kind: str, **fields) -> None:
-        self._push_messages.submit(self._peers.send, address, kind, **fields)
 
     def _layer_packed(self, layer: int, req_ids: list[str]) -> None:
         """Notes ``layer`` packed for the pushed requests and posts what is ready to go."""
@@ -208,7 +199,7 @@ class PushProducer(ProducerWorker):
         else:
             share.superseded = True
             log.warning("PDDConnector: push of %s to %s failed: %s", req_id, target.address, failure)
-            self._send_push_message(target.address, "stream_failed", req=req_id, reason=failure)
+            self._peers.post(target.address, "stream_failed", req=req_id, reason=failure)
 
     def _stop_push(self, req_id: str, push: _Push) -> None:
         """The staged copy goes away: stops what is still in flight, so that it no longer reads
@@ -222,5 +213,5 @@ class PushProducer(ProducerWorker):
                 except TransferError as exc:
                     log.warning("PDDConnector: cancelling the push of %s to %s: %s", req_id, target.address, exc)
             target.ended = True
-            self._send_push_message(target.address, "stream_failed", req=req_id,
+            self._peers.post(target.address, "stream_failed", req=req_id,
                                     reason="the producer dropped the request")
