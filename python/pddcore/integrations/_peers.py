@@ -54,12 +54,14 @@ class Peers:
         """Sends one control message as :meth:`send` does, but from a thread of its address's
         own, and returns at once: reconnecting to a peer gone or frozen (up to the engine's
         ``timeout_s``) holds up neither the caller (an engine's scheduler thread) nor the
-        messages to other peers. Messages posted to one address leave in the order posted.
-        Raises ValueError for fields the schema refuses, RuntimeError once closed."""
+        messages to other peers. Messages posted to one address leave in the order posted; a
+        failure, and a message posted after :meth:`close`, is logged as with :meth:`send` (a
+        request failing while the adapter shuts down must not raise on the engine's thread)."""
         payload = self.messages.encode(kind, **fields)
         with self._post_lock:
             if self._closed:
-                raise RuntimeError(f"{self.messages.name}: cannot post {kind} to {address}: the peers are closed")
+                self.log.warning("%s: did not send %s to %s: closed", self.messages.name, kind, address)
+                return
             self._outbox.setdefault(address, collections.deque()).append((kind, payload))
             if address not in self._posting:
                 thread = threading.Thread(target=self._drain, args=(address,), name=f"pdd-post-{address}",
