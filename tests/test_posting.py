@@ -329,6 +329,18 @@ def test_a_cancel_after_close_runs_on_the_callers_thread():
     source.check_reused_safely()
 
 
+def test_a_write_handed_over_after_close_fails_and_is_never_posted():
+    poster = Poster("test-post")
+    poster.close()
+    write = FakeWrite(Source(), lambda: None)
+    write.release.set()
+    handle = poster.post(write)
+    assert handle.status == "failed" and "closed" in handle.error and handle.settled
+    with pytest.raises(TransferError, match="closed"):
+        handle.done()
+    assert write.calls == 0
+
+
 def test_cancel_all_runs_its_callback_once_every_write_settled(poster):
     queued_source, posted_source = Source(), Source()
     ahead = FakeWrite(Source(), lambda: None)

@@ -230,6 +230,7 @@ class Poster:
         self._name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._accepting = True   # posts are taken until close() began
         self._closed = False
         self._cancelling: set[threading.Thread] = set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -238,16 +239,23 @@ class Poster:
     def post(self, write: Callable[[], Transfer | None], *, after: "torch.cuda.Event | None" = None,
              device: torch.device = torch.device("cpu")) -> PostedWrite:
         """Queues ``write`` (which posts and returns its Transfer, or None) to run once
-        ``after`` (an event on ``device``) completed; returns at once."""
+        ``after`` (an event on ``device``) completed; returns at once. Once :meth:`close`
+        began, the write is never posted and reads "failed" (nothing is left to post it)."""
         handle = PostedWrite(self._cancel_later)
-        self._jobs.put((write, after, device, handle))
+        with self._lock:  # close() queues its stop under this lock: no write lands behind it
+            if self._accepting:
+                self._jobs.put((write, after, device, handle))
+                return handle
+        handle._fail("not posted: the poster is closed")
         return handle
 
     def close(self) -> None:
         """Posts every write queued so far, waits for every cancel asked so far (so that no
         transfer of a cancelled write still reads its source), then stops. A cancel asked
         afterwards runs on its caller's thread: no other is left."""
-        self._jobs.put(None)
+        with self._lock:
+            self._accepting = False
+            self._jobs.put(None)
         self._thread.join()
         with self._lock:
             self._closed = True
