@@ -391,6 +391,32 @@ def test_frozen_peer_fails_after_timeout(backend):
         victim.close()
 
 
+def test_closing_a_peer_ends_a_redial_that_waits_on_it_frozen():
+    """A data connection redialled to a peer that froze waits for the handshake's answer up
+    to timeout_s; closing that peer ends the dial at once instead of waiting it out (tcp: the
+    rdma backend's data path dials no connection per stream)."""
+    victim = RemoteEngine(auth_token=TOKEN)
+    try:
+        with TransferEngine(auth_token=TOKEN, streams=1, timeout_s=120.0) as engine:
+            region = engine.register(random_tensor(MiB, 21))
+            _, desc = victim.call("region", MiB)
+            peer = engine.connect(victim.address)
+            engine.write(peer, region, 0, desc, 0, MiB).wait(timeout=60)  # the data connection is up
+            os.kill(victim.process.pid, signal.SIGSTOP)
+            try:
+                engine._debug_kill_stream(peer, 0)
+                engine.write(peer, region, 0, desc, 0, MiB)  # dials again: the hello waits for an answer
+                time.sleep(0.5)  # the stream's thread is inside the handshake by now
+                closed = threading.Event()
+                threading.Thread(target=lambda: (peer.close(), closed.set()), daemon=True).start()
+                # 120 s is the handshake's own deadline: a close that waits for it fails here
+                assert closed.wait(60), "closing the peer waited on the frozen peer's handshake"
+            finally:
+                os.kill(victim.process.pid, signal.SIGCONT)
+    finally:
+        victim.close()
+
+
 # ---- wire level (tcp data protocol) ----------------------------------------------------
 
 _HELLO = struct.Struct("<IHBBQ16s64s")

@@ -149,7 +149,7 @@ RegionPtr Engine::find_region(uint64_t region_id) { return regions_.find(region_
 
 // ---- peers and connections -------------------------------------------------
 
-Socket Engine::dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) {
+Socket Engine::dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream, DialAbort* abort) {
   if (closing_) throw TransferError("engine is closed");
   // Data connections run the chosen congestion control; control connections the kernel's.
   // "auto" is chosen per data connection once its handshake measured the path (tcp backend).
@@ -158,6 +158,7 @@ Socket Engine::dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) {
     congestion_control = options_.congestion_control == "auto" ? tcp::CongestionRule::kBeforeHandshake
                                                                : options_.congestion_control;
   Socket s = dial_tcp(parse_address(peer.address), options_.timeout_s, congestion_control);
+  const DialAbort::Armed armed(abort, s);  // disarmed before s is handed on or closed
   const std::optional<uint64_t> certified = secure(s, true);
   const uint64_t id = dial_handshake(s, handshake_, kind, stream, certified);
   if (id != peer.engine_id) throw TransferError("engine at " + peer.address + " was replaced (its engine id changed)");

@@ -132,7 +132,7 @@ class Engine final : public BackendHost {
   void chunk_retried(const WriteChunk& chunk, const std::string& why) override;
   void transfer_failed(const TransferPtr& transfer, const std::string& why) override;
   void pace(uint64_t bytes) override;
-  Socket dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) override;
+  Socket dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream, DialAbort* abort) override;
   RegionPtr find_region(uint64_t region_id) override;
   void chunk_received(uint64_t bytes, wire::AckStatus status) override;
   bool begin_receive(uint64_t sender_engine_id, uint32_t transfer_tag) override;

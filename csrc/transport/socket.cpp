@@ -78,6 +78,31 @@ void Socket::shutdown() const {
   if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
 }
 
+void DialAbort::abort() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  aborted_ = true;
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+}
+
+void DialAbort::arm(const Socket& socket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) throw TransferError("dial aborted: the link is stopping");
+  fd_ = socket.fd();
+}
+
+void DialAbort::disarm() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  fd_ = -1;
+}
+
+DialAbort::Armed::Armed(DialAbort* abort, const Socket& socket) : abort_(abort) {
+  if (abort_ != nullptr) abort_->arm(socket);
+}
+
+DialAbort::Armed::~Armed() {
+  if (abort_ != nullptr) abort_->disarm();
+}
+
 void Socket::set_timeouts(double recv_s, double send_s) const {
   if (tls_) tls_->set_timeouts(recv_s, send_s);
   const timeval r = to_timeval(recv_s), s = to_timeval(send_s);

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -69,6 +70,35 @@ class Socket {
 
   int fd_ = -1;
   std::unique_ptr<TlsChannel> tls_;
+};
+
+// Lets another thread end a dial that waits on a peer that does not answer (a frozen peer
+// holds the handshake up to timeout_s): abort() shuts down the dial's connection, now or as
+// soon as it is armed, and every later arm() throws. The dialing thread arms it once its
+// connection exists and disarms it before that connection is handed on or closed, so
+// abort() never touches a descriptor that was closed (and perhaps reused).
+class DialAbort {
+ public:
+  void abort();
+  void arm(const Socket& socket);  // throws TransferError once aborted
+  void disarm();
+
+  // Arms `abort` (when not null) for its lifetime.
+  class Armed {
+   public:
+    Armed(DialAbort* abort, const Socket& socket);
+    ~Armed();
+    Armed(const Armed&) = delete;
+    Armed& operator=(const Armed&) = delete;
+
+   private:
+    DialAbort* abort_;
+  };
+
+ private:
+  std::mutex mutex_;
+  int fd_ = -1;
+  bool aborted_ = false;
 };
 
 struct HostPort {

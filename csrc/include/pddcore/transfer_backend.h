@@ -150,6 +150,7 @@ struct EngineOptions {
 };
 
 class Socket;
+class DialAbort;
 
 // The engine core, as seen by a backend.
 class BackendHost {
@@ -166,7 +167,8 @@ class BackendHost {
   // Blocks until the rate limit admits `bytes` more (or the engine closes).
   virtual void pace(uint64_t bytes) = 0;
   // Opens an authenticated connection of `kind` to a peer (the core's handshake).
-  virtual Socket dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream) = 0;
+  // `abort`: null, or lets another thread end the dial while it waits on the peer.
+  virtual Socket dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream, DialAbort* abort) = 0;
 
   // Receiver side. Null when no region has this id.
   virtual RegionPtr find_region(uint64_t region_id) = 0;

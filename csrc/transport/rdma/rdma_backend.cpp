@@ -122,7 +122,7 @@ std::vector<std::unique_ptr<RdmaBackend::Endpoint>> RdmaBackend::open_endpoints(
 void RdmaBackend::connect(const PeerInfo& peer) {
   auto link = std::make_shared<Link>();
   link->peer = peer;
-  link->setup = host_.dial(peer, wire::ConnKind::kRdmaSetup, 0);
+  link->setup = host_.dial(peer, wire::ConnKind::kRdmaSetup, 0, nullptr);
   // Twice timeout_s: a silent peer is reported by the engine's no-progress deadline first.
   link->setup.set_timeouts(2 * host_.options().timeout_s, 2 * host_.options().timeout_s);
   link->setup.set_nodelay();

@@ -216,7 +216,7 @@ void TcpBackend::run_stream(const LinkPtr& link, Stream& stream) {
   for (;;) {
     bool progressed = false;
     try {
-      Socket socket = host_.dial(link->peer, wire::ConnKind::kData, static_cast<uint8_t>(stream.index));
+      Socket socket = host_.dial(link->peer, wire::ConnKind::kData, static_cast<uint8_t>(stream.index), &stream.dial_abort);
       // Acks have no deadline of their own: the core's watchdog judges progress.
       socket.set_timeouts(0, host_.options().timeout_s);
       socket.set_nodelay();
@@ -655,8 +655,10 @@ void TcpBackend::stop_link(const LinkPtr& link) {
   {
     std::lock_guard<std::mutex> lock(link->mutex);
     link->stopping = true;
-    for (auto& stream : link->streams)
+    for (auto& stream : link->streams) {
       if (stream->socket) stream->socket->shutdown();
+      stream->dial_abort.abort();  // a handshake with a frozen peer would hold the join for timeout_s
+    }
   }
   link->cv.notify_all();
   for (auto& stream : link->streams) stream->thread.join();

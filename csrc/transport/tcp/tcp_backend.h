@@ -51,6 +51,7 @@ class TcpBackend final : public TransferBackend {
     std::thread thread;
     // Under Link::mutex:
     const Socket* socket = nullptr;          // the live connection, if any
+    DialAbort dial_abort;                    // stop_link ends a dial still waiting on the peer
     std::map<uint64_t, WriteChunk> inflight;  // sent, not yet acknowledged, by sequence number
     uint64_t inflight_bytes = 0;
     uint64_t next_seq = 1;
