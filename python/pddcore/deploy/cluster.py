@@ -122,8 +122,8 @@ class _Servers:
         self.procs: dict[str, ServerProcess] = {}
         stack.callback(lambda: stop_together(self.procs.values()))
 
-    def _start(self, names: list[str], sides: list[str], argvs: list[list[str]]) -> list[ServerProcess]:
-        """Starts the servers together (their start-ups overlap)."""
+    def _start(self, specs: list[tuple[str, str, list[str]]]) -> list[ServerProcess]:
+        """Starts the servers of ``specs`` (name, side, arguments) together: their start-ups overlap."""
         def start(name: str, side: str, args: list[str]) -> Callable[[], ServerProcess]:
             def run() -> ServerProcess:
                 try:
@@ -134,10 +134,10 @@ class _Servers:
             return run
 
         try:
-            procs = start_together([start(*spec) for spec in zip(names, sides, argvs)])
+            procs = start_together([start(*spec) for spec in specs])
         except DeploymentError as e:
             raise DeploymentError(f"{e}\n{self.tails()}") from None
-        self.procs.update(zip(names, procs))
+        self.procs.update(zip((name for name, _, _ in specs), procs))
         return procs
 
     def engines(self, roles: dict[str, tuple[str, ...]]) -> dict[str, ServerProcess]:
@@ -145,10 +145,10 @@ class _Servers:
         model = self.config.model
         common = ["--pool-pages", str(self.config.pool_pages), "--page-size", str(self.config.page_size)]
         common += ["--model", model["path"]] if model.get("path") else ["--seed", str(model.get("seed", 0))]
-        sides = [side for side, *_ in roles.values()]
-        argvs = [["engine", "--role", role, *common, *(listen or ("--host", self.place.host[side], "--port", "0"))]
-                 for side, role, *listen in roles.values()]
-        return dict(zip(roles, self._start(list(roles), sides, argvs)))
+        specs = [(name, side, ["engine", "--role", role, *common,
+                               *(listen or ("--host", self.place.host[side], "--port", "0"))])
+                 for name, (side, role, *listen) in roles.items()]
+        return dict(zip(roles, self._start(specs)))
 
     def gateway(self, engines: dict[str, str], network: Network) -> ServerProcess:
         c = self.config
@@ -160,7 +160,7 @@ class _Servers:
         args += ["--relay", engines["RLD"]] if "RLD" in engines else []
         if c.md_transfer_timeout_s is not None:
             args += ["--prefetch-timeout-s", str(c.md_transfer_timeout_s)]
-        return self._start(["gateway"], ["a"], [args])[0]
+        return self._start([("gateway", "a", args)])[0]
 
     def kill(self, name: str) -> None:
         self.procs[name].kill()

@@ -70,10 +70,10 @@ class ServerProcess:
             return f.read()[-3000:]
 
 
-Server = TypeVar("Server", bound=ServerProcess)
+_Server = TypeVar("_Server", bound=ServerProcess)
 
 
-def start_together(starts: Sequence[Callable[[], Server]]) -> list[Server]:
+def start_together(starts: Sequence[Callable[[], _Server]]) -> list[_Server]:
     """Calls each of ``starts`` (each starts one server and returns it once it serves) on a
     thread of its own; returns the servers in order. When one fails, the others are stopped
     and its error is raised."""

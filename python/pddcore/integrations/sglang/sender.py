@@ -85,11 +85,14 @@ class PDDKVSender(BaseKVSender):
         # Returns at once: each transfer's cancel (which waits for its peer's fence, up to the
         # engine's timeout_s when the peer is gone) runs on the poster's threads, and the buffers
         # go back once no write can read them any more, whether or not SGLang polls again.
-        buffers, self._buffers = self._buffers, []
-        cancel_all(self._transfers, then=functools.partial(self._release, buffers))
+        cancel_all(self._transfers, then=functools.partial(self._release, self._take_buffers()))
         if tell_peers:  # posted too: a notice to a peer gone may first wait on a reconnect
             for reg in self.kv_mgr.inbox(self.room).registrations:
                 self.kv_mgr.peers.post(reg.peer_address, "fail", room=self.room, reason=reason)
+
+    def _take_buffers(self) -> list[StagingBuffer]:
+        buffers, self._buffers = self._buffers, []
+        return buffers
 
     def _release(self, buffers: list[StagingBuffer]) -> None:
         for buf in buffers:
@@ -111,8 +114,7 @@ class PDDKVSender(BaseKVSender):
         elif self._state == KVPoll.Transferring:
             try:
                 if all(t.done() for t in self._transfers) and self._sent_pages == self._num_pages:
-                    buffers, self._buffers = self._buffers, []
-                    self._release(buffers)
+                    self._release(self._take_buffers())
                     self._state = KVPoll.Success
             except Exception as exc:
                 self._fail(f"transfer failed: {exc}")

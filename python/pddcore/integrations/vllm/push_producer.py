@@ -95,7 +95,7 @@ class PushProducer(ProducerWorker):
         staged.shares[PUSH_SHARE] = Share(len(targets))
         for target in targets:
             self._peers.post(target.address, "reserve", req=req_id, nbytes=staged.buffer.nbytes,
-                                    num_layers=self.layout.num_layers, reply=self.address)
+                             num_layers=self.layout.num_layers, reply=self.address)
 
     def _layer_packed(self, layer: int, req_ids: list[str]) -> None:
         """Notes ``layer`` packed for the pushed requests and posts what is ready to go."""
@@ -213,5 +213,4 @@ class PushProducer(ProducerWorker):
                 except TransferError as exc:
                     log.warning("PDDConnector: cancelling the push of %s to %s: %s", req_id, target.address, exc)
             target.ended = True
-            self._peers.post(target.address, "stream_failed", req=req_id,
-                                    reason="the producer dropped the request")
+            self._peers.post(target.address, "stream_failed", req=req_id, reason="the producer dropped the request")
