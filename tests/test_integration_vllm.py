@@ -4,8 +4,10 @@ VLLM_KV_CACHE_LAYOUT, kernel-block splitting, MLA), across two processes and TP 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
+import random
 import socket
 import time
 from dataclasses import dataclass
@@ -986,12 +988,28 @@ def test_rdma_backend_moves_blocks(model_dir):
         d.conn.shutdown()
 
 
+def _free_ports_below_the_ephemeral_range(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports that are free, all below the range
+    the kernel hands out for port 0: a process running beside the tests (CI runs the
+    sanitized tests beside the suite) cannot be given one of them meanwhile."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    rng = random.Random()
+    while True:
+        base = rng.randrange(10000, ephemeral_low - count)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+
+
 def test_data_parallel_ranks_of_one_host_take_their_own_ports(model_dir):
     """TP 2 x DP 2 on one host with one base port: every worker listens (no collision), on
     port + dp_rank * tp_size + tp_rank, and the scheduler publishes its DP rank's first port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]  # free now; the four ports after it are taken by nobody else here
+    base = _free_ports_below_the_ephemeral_range(4)
     workers = []
     try:
         for dp in range(2):
