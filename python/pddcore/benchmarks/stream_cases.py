@@ -51,7 +51,8 @@ class StreamResult(Result):
     streamed_ms: list[float]        # prefill end -> last layer applied at MD
     after_prefill_ms: list[float]
     # per mode: {"busy_bps": bytes over busy time, "path_limited_bps": the path-limited
-    # counters' ratio (0: never path-limited)}, from P's engine over that mode's trials
+    # counters' ratio (0: never path-limited), "path_limited_seconds": the time it covers},
+    # from P's engine over that mode's trials
     link_readings: dict[str, dict[str, float]]
 
     @property
@@ -163,7 +164,8 @@ def prefill(config_name: str, tokens: int, trials: int, info_path: str) -> dict:
             pool.release(seq)
             time.sleep(0.2)  # the link drains between trials
     stamps["link_readings"] = {mode: {"busy_bps": _ratio_bps(c["bytes_sent"], c["seconds_busy"]),
-                                      "path_limited_bps": _ratio_bps(c["path_limited_bytes"], c["path_limited_seconds"])}
+                                      "path_limited_bps": _ratio_bps(c["path_limited_bytes"], c["path_limited_seconds"]),
+                                      "path_limited_seconds": c["path_limited_seconds"]}
                                for mode, c in counted.items()}
     return stamps
 

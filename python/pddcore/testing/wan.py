@@ -98,7 +98,7 @@ from .wan_registry import (NS_PREFIX, cleanup_stale, link_alive, list_links, nam
                            state_path, stats_path, teardown, write_state)
 
 __all__ = ["WanLink", "Endpoint", "WanUnavailable", "NamespaceError", "NamespaceCallError", "NamespaceProcess",
-           "DelayLineStats", "parse_rate", "unavailable_reason", "cleanup_stale", "teardown", "list_links",
+           "DelayLineStats", "parse_rate", "tbf_burst_bytes", "unavailable_reason", "cleanup_stale", "teardown", "list_links",
            "link_alive", "read_state", "stats_path", "A_ADDRESS", "B_ADDRESS"]
 
 A_ADDRESS, B_ADDRESS = "10.201.1.1", "10.201.2.1"
@@ -155,6 +155,13 @@ def parse_rate(rate: str | int | None) -> int | None:
     if bits < 8000:
         raise ValueError(f"rate {rate!r} is below 8 kbit/s")
     return bits
+
+
+def tbf_burst_bytes(rate_bps: int, mtu: int = 1500) -> int:
+    """The token bucket a capped link's shaper holds: 1 ms of tokens, so timer slack costs no
+    rate. After an idle moment this many bytes leave at once, so a short stretch of traffic
+    can read above the rate by up to this much."""
+    return max(int(rate_bps / 8 * 1e-3), 4 * mtu)
 
 
 class Endpoint:
@@ -371,7 +378,7 @@ class WanLink:
         ], ns_m)
         if self.rate_bps:
             rate_bytes = self.rate_bps / 8
-            burst = max(int(rate_bytes * 1e-3), 4 * self.mtu)  # 1 ms of tokens: timer slack costs no rate
+            burst = tbf_burst_bytes(self.rate_bps, self.mtu)
             limit = max(int(rate_bytes * self.buffer_ms * 1e-3), 2 * burst)
             for dev in ("dl-ab", "dl-ba"):
                 netns.run_tool(["tc", "-n", ns_m, "qdisc", "replace", "dev", dev, "root", "tbf",
