@@ -532,6 +532,50 @@ def test_the_message_thread_serves_other_peers_while_a_reconnect_waits_on_a_froz
         pair.close()
 
 
+def test_a_registration_from_a_rank_that_froze_before_the_first_connect_holds_up_no_other_room(
+        run_decode, decode_process, monkeypatch):
+    """A decode rank registers with a prefill manager that never connected to it, and is stopped
+    (SIGSTOP) before the manager's message thread reads the registration: whether it comes
+    from the address it names takes a connect to the frozen rank (up to the engine's
+    timeout_s). Meanwhile the message thread must serve another room, with a decode rank that
+    runs; once the frozen rank runs again its registration is filed and its request goes on."""
+    _, decode_pid = decode_process
+    pair = Pair()
+    gating, arrived, release, senders = threading.Event(), threading.Event(), threading.Event(), []
+    poll = pair.prefill.engine.poll_messages
+
+    def gated(*args, **kwargs):  # holds the first messages until the test froze their sender
+        gating.set()
+        messages = poll(*args, **kwargs)
+        if messages and not release.is_set():
+            senders.extend(message.sender for message in messages)
+            arrived.set()
+            release.wait(60)
+        return messages
+
+    monkeypatch.setattr(pair.prefill.engine, "poll_messages", gated)
+    room = 83
+    try:
+        _wait(gating.is_set)  # the message thread's poll under way before the patch has returned
+        out = run_decode(d_tp=1, total_heads=2, port=pair.port, room=room, d_pages=[1, 2], d_aux=0, prefix_len=0)
+        frozen_sender = pdd.PDDKVSender(pair.prefill, pair.addr, room)
+        _wait(arrived.is_set, 120)  # the decode process starts (imports) first
+        with _Frozen(decode_pid):
+            connecting, connected = _watch_connects(monkeypatch, pair.prefill, senders[0])
+            release.set()
+            _wait(connecting.is_set)  # the check of the registration's address waits on the frozen rank
+            assert pair.move(room + 1, [3, 4], [5, 6]) == (KVPoll.Success, KVPoll.Success)
+            assert not connected.is_set()  # served while that connect still waits
+            assert frozen_sender.poll() == KVPoll.Bootstrapping
+        _wait(lambda: frozen_sender.poll() == KVPoll.WaitingForInput)  # its registration, filed
+        frozen_sender.abort()
+        result = _receive(out)
+        assert result["states"][0][-1] == KVPoll.Failed and "aborted by the prefill side" in result["errors"][0]
+    finally:
+        release.set()
+        pair.close()
+
+
 # ---- one process: both sides' managers side by side -------------------------------------------------
 
 class Pair:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import random
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +41,8 @@ from pddcore.integrations.vllm.metadata import _Load  # noqa: E402
 from pddcore.integrations.vllm.protocol import MAGIC as _MAGIC, MESSAGES  # noqa: E402
 from pddcore.streaming import LayerStreamSender  # noqa: E402
 from pddcore.transfer import RegionDescriptor, TransferError  # noqa: E402
+
+from transfer_peer import RemoteEngine  # noqa: E402
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS, EOS = 16, 2, 8, 3, 24, 2
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -1259,6 +1264,55 @@ def test_unclaimed_push_buffers_are_freed_after_the_lease(model_dir):
     finally:
         fake.close()
         pw.conn.shutdown()
+        cw.conn.shutdown()
+
+
+def test_a_reserve_from_a_producer_that_froze_before_the_first_connect_holds_up_no_step(model_dir, monkeypatch):
+    """A producer engine in a process of its own asks a consumer for a push buffer and is stopped
+    (SIGSTOP) before the consumer's step reads the request: whether it comes from the engine at
+    the reply address it names takes a connect to the frozen process (up to the engine's
+    timeout_s). The consumer's steps go on meanwhile and answer another producer; once the
+    frozen one runs again, its request is answered too."""
+    cw = make_worker(model_dir, "kv_consumer")
+    frozen, live = RemoteEngine(listen="127.0.0.1:0"), TransferEngine()
+    nbytes = cw.conn.layout.packed_nbytes(2)
+    started, ended = threading.Event(), threading.Event()
+    connect = cw.conn.engine.connect
+
+    def watched(to: str, *args):
+        if to != frozen.address:
+            return connect(to, *args)
+        started.set()
+        try:
+            return connect(to, *args)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(cw.conn.engine, "connect", watched)
+    stopped = False
+    try:
+        received = cw.conn.engine.stats()["messages_received"]
+        frozen.call("send", cw.conn.address, MESSAGES.encode("reserve", req="f-req", nbytes=nbytes, num_layers=LAYERS,
+                                                             reply=frozen.address))
+        deadline = time.monotonic() + 60
+        while cw.conn.engine.stats()["messages_received"] == received:  # arrived; no step has read it
+            assert time.monotonic() < deadline, "the reserve never arrived"
+            time.sleep(0.005)
+        os.kill(frozen.process.pid, signal.SIGSTOP)
+        stopped = True
+        assert fake_reserve(live, cw.conn, "l-req", nbytes)["k"] == "reserved"
+        assert started.is_set() and not ended.is_set()  # answered while the connect waits on the frozen one
+        assert not any(key == b"f-req" for _, key in cw.conn._reservations)
+        os.kill(frozen.process.pid, signal.SIGCONT)
+        stopped = False
+        drive([cw.conn], lambda r, e: any(key == b"f-req" for _, key in cw.conn._reservations))
+        answers = frozen.call("wait_message", 60, None)
+        assert [MESSAGES.decode(payload)["k"] for _, payload, _, _ in answers] == ["reserved"]
+    finally:
+        if stopped:
+            os.kill(frozen.process.pid, signal.SIGCONT)
+        live.close()
+        frozen.close()
         cw.conn.shutdown()
 
 

@@ -4,7 +4,9 @@ a real engine in a child process stopped with SIGSTOP, whose connection was drop
 a connect to it waits (up to the engine's timeout_s) for a hello it cannot send.
 
 Nothing waiting on the frozen peer may hold up a connect to another address, the question
-who sent a message (``is_from``), or a control message to another peer: each is checked to
+who sent a message (``is_from``, which never waits: it raises NotKnownYet while it learns,
+and the adapters' HeldMessages handle such a message again later, in its sender's order),
+or a control message to another peer: each is checked to
 have returned while the connect to the frozen peer still waits (an event set when that
 connect returns), never against a clock."""
 
@@ -20,7 +22,7 @@ import time
 import pytest
 
 from pddcore.integrations._messages import MessageSchema, is_int, is_str
-from pddcore.integrations._peers import Peers
+from pddcore.integrations._peers import HeldMessages, NotKnownYet, Peers
 from pddcore.peer_cache import PeerCache
 from pddcore.transfer import Message, TransferEngine
 
@@ -104,6 +106,17 @@ class Frozen:
         return self.result[0]
 
 
+def _answer(peers: Peers, message: Message, address: str) -> bool:
+    """``is_from``'s answer once it learned who listens at ``address``."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            return peers.is_from(message, address)
+        except NotKnownYet:
+            assert time.monotonic() < deadline, f"never learned who listens at {address}"
+            time.sleep(0.005)
+
+
 def _message_from(engine_id: int, address: str) -> Message:
     """What ``poll_messages`` returns for a message from engine ``engine_id``: ``is_from`` reads
     its ``sender_engine_id``, which the hello (covered by the auth token's HMAC) fixed."""
@@ -162,15 +175,33 @@ def test_is_from_answers_for_a_frozen_peer_without_waiting_on_its_reconnect(monk
         assert not frozen.connects.ended.is_set()  # answered while the reconnect still waits
         with TransferEngine(listen="127.0.0.1:0") as other:
             # Another engine naming the frozen peer's address, whose connection dropped: the id
-            # it states is not the one last reached there, so the question waits for the
-            # reconnect to learn who listens there now, and never attributes the message.
-            answer: list = []
-            asking = threading.Thread(target=lambda: answer.append(
-                peers.is_from(_message_from(other.engine_id, remote.address), remote.address)), daemon=True)
-            asking.start()
+            # it states is not the one last reached there, so the answer waits for a reconnect
+            # that learns who listens there now, and never attributes the message meanwhile.
+            claim = _message_from(other.engine_id, remote.address)
+            with pytest.raises(NotKnownYet):
+                peers.is_from(claim, remote.address)
+            with pytest.raises(NotKnownYet):
+                peers.is_from(claim, remote.address)  # asked again: still learning, one connect
+            assert not frozen.connects.ended.is_set()  # raised at once, while the reconnect waits
             frozen.resume()
-            asking.join(DEADLINE_S)
-            assert answer == [False]
+            assert _answer(peers, claim, remote.address) is False
+        assert frozen.connects.count == 1  # the learning connect found the reconnected peer
+    finally:
+        peers.close()
+
+
+def test_is_from_answers_no_once_when_the_connect_to_learn_fails(engine):
+    """Nothing listens at the address: the connect to learn who does fails, the answer is no,
+    and the next question connects again (a peer may have started there since)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    peers = Peers(engine, SCHEMA, log)
+    try:
+        claim = _message_from(12345, address)
+        assert _answer(peers, claim, address) is False
+        with pytest.raises(NotKnownYet):
+            peers.is_from(claim, address)
     finally:
         peers.close()
 
@@ -195,11 +226,53 @@ def test_is_from_learns_the_engine_restarted_at_an_address(engine):
         port = s.getsockname()[1]
     with TransferEngine(listen=f"127.0.0.1:{port}") as first:
         address, first_id = first.address, first.engine_id
-        assert peers.is_from(_message_from(first_id, address), address)
+        assert _answer(peers, _message_from(first_id, address), address)
     with TransferEngine(listen=f"127.0.0.1:{port}") as second:
-        assert peers.is_from(_message_from(second.engine_id, address), address)
+        assert _answer(peers, _message_from(second.engine_id, address), address)
         assert not peers.is_from(_message_from(first_id, address), address)
     peers.close()
+
+
+# ---- HeldMessages -----------------------------------------------------------------------------
+
+class Handler:
+    """Records what it handled; raises NotKnownYet for messages of a sender in ``unknown``."""
+
+    def __init__(self):
+        self.unknown: set[int] = set()
+        self.handled: list[tuple[int, int]] = []
+
+    def __call__(self, message: Message) -> None:
+        if message.sender_engine_id in self.unknown:
+            raise NotKnownYet("learning")
+        self.handled.append((message.sender_engine_id, SCHEMA.decode(message.payload)["n"]))
+
+
+def _note(sender: int, n: int) -> Message:
+    return Message(f"127.0.0.1:{sender}", sender, SCHEMA.encode("note", req="r", n=n), False)
+
+
+def test_held_messages_keep_each_senders_order_and_hold_up_no_other_sender():
+    held, handle = HeldMessages(log), Handler()
+    handle.unknown = {1}
+    held.handle([_note(1, 0), _note(2, 0), _note(1, 1), _note(2, 1)], handle)
+    assert handle.handled == [(2, 0), (2, 1)] and len(held) == 2
+    held.handle([_note(1, 2)], handle)  # still unknown: held behind the first two
+    assert handle.handled == [(2, 0), (2, 1)] and len(held) == 3
+    handle.unknown = set()
+    held.handle([_note(1, 3), _note(2, 2)], handle)
+    assert handle.handled[2:] == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 2)] and len(held) == 0
+
+
+def test_held_messages_drop_beyond_their_cap_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(HeldMessages, "MAX_HELD", 3)
+    held, handle = HeldMessages(log), Handler()
+    handle.unknown = {1}
+    held.handle([_note(1, n) for n in range(5)], handle)
+    assert len(held) == 3 and "dropped a message from 127.0.0.1:1" in caplog.text
+    handle.unknown = set()
+    held.handle([], handle)
+    assert handle.handled == [(1, 0), (1, 1), (1, 2)]
 
 
 # ---- Peers.post -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ def _serve(conn, engine_kwargs: dict) -> None:
     engine = TransferEngine(**engine_kwargs)
     buffers: list[bytearray | None] = []
     regions = []
+    peers = {}  # address -> Peer, one connection each
     conn.send(("ready", engine.address))
     while True:
         cmd, *args = conn.recv()
@@ -44,6 +45,11 @@ def _serve(conn, engine_kwargs: dict) -> None:
                 now = time.monotonic()
                 reply = [(m.sender, m.payload, now, digest(buffers[args[1]]) if args[1] is not None else None)
                          for m in got]
+            elif cmd == "send":  # (address, payload): a control message
+                if args[0] not in peers:
+                    peers[args[0]] = engine.connect(args[0])
+                engine.send(peers[args[0]], args[1])
+                reply = None
             elif cmd == "stats":
                 reply = engine.stats()
             elif cmd == "unregister":  # (index): also frees the buffer

@@ -25,7 +25,7 @@ from sglang.srt.environ import envs
 from ...layout import KVLayout
 from ...transfer import Message, Region, TransferEngine
 from .._messages import MalformedMessage
-from .._peers import Peers
+from .._peers import HeldMessages, NotKnownYet, Peers
 from .._posting import Poster
 from .._staging import StagingPool
 from .bootstrap import PrefillInfo, bootstrap_url, fetch_prefill_info, register_prefill_rank
@@ -112,6 +112,7 @@ class PDDKVManager(BaseKVManager):
             self._aux_regions = [self.engine.register_pointer(p, n)
                                  for p, n in zip(args.aux_data_ptrs, args.aux_data_lens)]
         self.peers = Peers(self.engine, MESSAGES, log)
+        self._held = HeldMessages(log)   # messages waiting to learn who sent them (Peers.is_from)
         # Prefill: the senders' writes leave from this thread, each once its pack ran on the GPU.
         self.poster = Poster(f"pdd-post-{self.rank}") if self.mode == "prefill" else None
         self._lock = threading.Lock()
@@ -219,18 +220,22 @@ class PDDKVManager(BaseKVManager):
                 if not self._stop.is_set():
                     log.error("pddcore: message pump stopped, the engine failed: %s", exc)
                 return
-            for message in messages:
-                room = None
-                try:
-                    msg = MESSAGES.decode(message.payload)
-                    room = msg["room"]
-                    self._dispatch(message, msg)
-                except Exception as exc:  # one bad message must not stop every later transfer
-                    if isinstance(exc, MalformedMessage):
-                        room = exc.key
-                    log.warning("pddcore: dropped a message from %s (room %s): %s", message.sender, room, exc)
-                    if room is not None:
-                        self._fail_room(room, f"bad message from {message.sender}: {exc}")
+            self._held.handle(messages, self._handle)
+
+    def _handle(self, message: Message) -> None:
+        room = None
+        try:
+            msg = MESSAGES.decode(message.payload)
+            room = msg["room"]
+            self._dispatch(message, msg)
+        except NotKnownYet:
+            raise  # held, and handled again once its sender is known
+        except Exception as exc:  # one bad message must not stop every later transfer
+            if isinstance(exc, MalformedMessage):
+                room = exc.key
+            log.warning("pddcore: dropped a message from %s (room %s): %s", message.sender, room, exc)
+            if room is not None:
+                self._fail_room(room, f"bad message from {message.sender}: {exc}")
 
     def _dispatch(self, message: Message, msg: dict) -> None:
         room, kind, sender_address = msg["room"], msg["k"], message.sender

@@ -30,7 +30,7 @@ from ...layout import KVLayout
 from ...transfer import Message, TransferEngine
 from .._device import on_kv_device
 from .._messages import MalformedMessage
-from .._peers import Peers
+from .._peers import HeldMessages, Peers
 from .._staging import StagingPool
 from .metadata import PDDHandshakeMetadata
 from .protocol import MESSAGES
@@ -74,6 +74,7 @@ class WorkerBase:
         self.pages_per_block = 1
         self._layer_index: dict[str, int] = {}
         self._peers = Peers(self.engine, MESSAGES, log)
+        self._held = HeldMessages(log)   # messages waiting to learn who sent them (Peers.is_from)
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._handlers = self._message_handlers()
@@ -142,15 +143,18 @@ class WorkerBase:
 
     def _pump(self) -> None:
         """Acts on every message received; a bad one fails only the request it names."""
-        for message in self.engine.poll_messages():
-            if self._on_notification(message):
-                continue
-            try:
-                msg = MESSAGES.decode(message.payload)
-                self._handlers[msg["k"]](message, msg)  # MESSAGES admits no other kind
-            except MalformedMessage as exc:
-                log.warning("PDDConnector: dropped a message from %s: %s", message.sender, exc)
-                self._on_malformed(exc.key, f"malformed message from {message.sender}: {exc}")
+        self._held.handle(self.engine.poll_messages(), self._handle)
+
+    def _handle(self, message: Message) -> None:
+        """Acts on one message; raises NotKnownYet (the message is held) while its sender is learned."""
+        if self._on_notification(message):
+            return
+        try:
+            msg = MESSAGES.decode(message.payload)
+            self._handlers[msg["k"]](message, msg)  # MESSAGES admits no other kind
+        except MalformedMessage as exc:
+            log.warning("PDDConnector: dropped a message from %s: %s", message.sender, exc)
+            self._on_malformed(exc.key, f"malformed message from {message.sender}: {exc}")
 
     @on_kv_device
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
