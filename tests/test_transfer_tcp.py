@@ -417,6 +417,54 @@ def test_closing_a_peer_ends_a_redial_that_waits_on_it_frozen():
         victim.close()
 
 
+def _syn_sent_to(port: int) -> bool:
+    """Whether a socket of this host waits in SYN_SENT for an answer from 127.0.0.1:``port``."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return any(row[2] == f"0100007F:{port:04X}" and row[3] == "02" for row in rows)
+
+
+def test_closing_a_peer_ends_a_redial_whose_connect_gets_no_answer():
+    """A data connection redialled to a host that does not answer (here: a frozen peer whose
+    listen backlog is full, so the kernel drops the SYN) waits in connect up to timeout_s;
+    closing that peer ends the connect at once instead of waiting it out."""
+    victim = RemoteEngine(auth_token=TOKEN)
+    port = int(victim.address.rsplit(":", 1)[1])
+    backlog: list[socket.socket] = []
+    try:
+        with TransferEngine(auth_token=TOKEN, streams=1, timeout_s=120.0) as engine:
+            region = engine.register(random_tensor(MiB, 22))
+            _, desc = victim.call("region", MiB)
+            peer = engine.connect(victim.address)
+            engine.write(peer, region, 0, desc, 0, MiB).wait(timeout=60)  # the data connection is up
+            os.kill(victim.process.pid, signal.SIGSTOP)
+            try:
+                while not _syn_sent_to(port):  # fills the accept queue nobody drains now
+                    backlog.append(socket.socket())
+                    backlog[-1].setblocking(False)
+                    backlog[-1].connect_ex(("127.0.0.1", port))
+                    time.sleep(0.001)
+                for s in backlog:
+                    s.close()  # the queue stays full: closing a queued connection does not dequeue it
+                backlog.clear()
+                engine._debug_kill_stream(peer, 0)
+                engine.write(peer, region, 0, desc, 0, MiB)  # dials again: its SYN gets no answer
+                deadline = time.monotonic() + 60
+                while not _syn_sent_to(port):
+                    assert time.monotonic() < deadline, "the redial never reached connect"
+                    time.sleep(0.005)
+                closed = threading.Event()
+                threading.Thread(target=lambda: (peer.close(), closed.set()), daemon=True).start()
+                # 120 s is the connect's own deadline: a close that waits for it fails here
+                assert closed.wait(60), "closing the peer waited on a connect nobody answers"
+            finally:
+                os.kill(victim.process.pid, signal.SIGCONT)
+    finally:
+        for s in backlog:
+            s.close()
+        victim.close()
+
+
 # ---- wire level (tcp data protocol) ----------------------------------------------------
 
 _HELLO = struct.Struct("<IHBBQ16s64s")

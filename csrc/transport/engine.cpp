@@ -157,7 +157,7 @@ Socket Engine::dial(const PeerInfo& peer, wire::ConnKind kind, uint8_t stream, D
   if (kind == wire::ConnKind::kData)
     congestion_control = options_.congestion_control == "auto" ? tcp::CongestionRule::kBeforeHandshake
                                                                : options_.congestion_control;
-  Socket s = dial_tcp(parse_address(peer.address), options_.timeout_s, congestion_control);
+  Socket s = dial_tcp(parse_address(peer.address), options_.timeout_s, congestion_control, abort);
   const DialAbort::Armed armed(abort, s);  // disarmed before s is handed on or closed
   const std::optional<uint64_t> certified = secure(s, true);
   const uint64_t id = dial_handshake(s, handshake_, kind, stream, certified);

@@ -95,6 +95,11 @@ void DialAbort::disarm() {
   fd_ = -1;
 }
 
+bool DialAbort::aborted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return aborted_;
+}
+
 DialAbort::Armed::Armed(DialAbort* abort, const Socket& socket) : abort_(abort) {
   if (abort_ != nullptr) abort_->arm(socket);
 }
@@ -255,15 +260,18 @@ Socket listen_tcp(const HostPort& at, uint16_t* bound_port) {
   return s;
 }
 
-Socket dial_tcp(const HostPort& to, double timeout_s, const std::string& congestion_control) {
+Socket dial_tcp(const HostPort& to, double timeout_s, const std::string& congestion_control, DialAbort* abort) {
   const sockaddr_in sa = resolve(to);
   Socket s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!s.valid()) throw_errno("socket", errno);
   if (!congestion_control.empty()) s.set_congestion_control(congestion_control);
+  // Shutting down a connecting socket ends its connect (ECONNRESET) and wakes the poll.
+  const DialAbort::Armed armed(abort, s);
   if (::connect(s.fd(), reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) != 0) {
     if (errno != EINPROGRESS) throw_errno("cannot connect to " + format_address(to), errno);
     pollfd pfd{s.fd(), POLLOUT, 0};
     const int ready = ::poll(&pfd, 1, static_cast<int>(timeout_s * 1000));
+    if (abort != nullptr && abort->aborted()) throw TransferError("dial aborted: the link is stopping");
     if (ready == 0) throw TransferError("connect to " + format_address(to) + " timed out");
     int err = 0;
     socklen_t len = sizeof(err);

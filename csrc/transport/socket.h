@@ -72,16 +72,18 @@ class Socket {
   std::unique_ptr<TlsChannel> tls_;
 };
 
-// Lets another thread end a dial that waits on a peer that does not answer (a frozen peer
-// holds the handshake up to timeout_s): abort() shuts down the dial's connection, now or as
-// soon as it is armed, and every later arm() throws. The dialing thread arms it once its
-// connection exists and disarms it before that connection is handed on or closed, so
-// abort() never touches a descriptor that was closed (and perhaps reused).
+// Lets another thread end a dial that waits on a peer that does not answer (a host that is
+// down leaves the connect unanswered, a frozen peer the handshake, each up to timeout_s):
+// abort() shuts down the dial's socket, now or as soon as it is armed, and every later arm()
+// throws. The dialing thread arms it once its socket exists and disarms it before that
+// socket is handed on or closed, so abort() never touches a descriptor that was closed (and
+// perhaps reused).
 class DialAbort {
  public:
   void abort();
   void arm(const Socket& socket);  // throws TransferError once aborted
   void disarm();
+  bool aborted();
 
   // Arms `abort` (when not null) for its lifetime.
   class Armed {
@@ -114,7 +116,9 @@ std::string format_address(const HostPort& hp);
 Socket listen_tcp(const HostPort& at, uint16_t* bound_port);
 // Connects within timeout_s or throws TransferError. congestion_control: TCP_CONGESTION set
 // before the SYN, so the connection runs it from its first byte ("": the kernel's default).
-Socket dial_tcp(const HostPort& to, double timeout_s, const std::string& congestion_control = "");
+// `abort` (when not null) is armed while the connect waits.
+Socket dial_tcp(const HostPort& to, double timeout_s, const std::string& congestion_control = "",
+                DialAbort* abort = nullptr);
 // The remote IPv4 address of a connected socket ("1.2.3.4").
 std::string peer_ip(const Socket& s);
 
