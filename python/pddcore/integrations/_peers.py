@@ -7,10 +7,10 @@ Example::
     peers.send("10.0.0.2:7000", "pull", req="r-1", ...)    # returns once sent; logged, not raised, on error
     peers.post("10.0.0.2:7000", "fail", req="r-1", reason="aborted")    # returns at once, sent in order
     engine.write(peers.connect("10.0.0.2:7000"), ...)                   # the same connection
-    peers.is_from(message, "10.0.0.2:7000")   # whether a received message came from that engine
+    peers.is_from(message, "10.0.0.2:7000")   # whether a received message came from that engine (or NotKnownYet)
     peers.close()                             # before engine.close()
 
-    held = HeldMessages()                     # in the adapter's message loop:
+    held = HeldMessages(log)                  # in the adapter's message loop:
     held.handle(engine.poll_messages(), handle_one)   # a NotKnownYet from handle_one: tried again next round
 """
 
