@@ -13,6 +13,7 @@ import random
 import signal
 import socket
 import struct
+import subprocess
 import threading
 import time
 
@@ -417,20 +418,32 @@ def test_closing_a_peer_ends_a_redial_that_waits_on_it_frozen():
         victim.close()
 
 
+def _tcp_rows() -> list[list[str]]:
+    with open("/proc/net/tcp") as f:
+        return [line.split() for line in f.readlines()[1:]]
+
+
 def _syn_sent_to(port: int) -> bool:
     """Whether a socket of this host waits in SYN_SENT for an answer from 127.0.0.1:``port``."""
-    with open("/proc/net/tcp") as f:
-        rows = [line.split() for line in f.readlines()[1:]]
-    return any(row[2] == f"0100007F:{port:04X}" and row[3] == "02" for row in rows)
+    return any(row[2] == f"0100007F:{port:04X}" and row[3] == "02" for row in _tcp_rows())
+
+
+def _accept_queue_full(port: int) -> bool:
+    """Whether the listener on ``port`` holds more connections than its backlog: the kernel then
+    drops every new SYN. (``ss`` shows a listener's waiting connections as Recv-Q, its backlog
+    as Send-Q.)"""
+    listing = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True)
+    _, queued, backlog, *_ = listing.stdout.split()
+    return int(queued) > int(backlog)
 
 
 def test_closing_a_peer_ends_a_redial_whose_connect_gets_no_answer():
     """A data connection redialled to a host that does not answer (here: a frozen peer whose
-    listen backlog is full, so the kernel drops the SYN) waits in connect up to timeout_s;
+    accept queue is full, so the kernel drops the SYN) waits in connect up to timeout_s;
     closing that peer ends the connect at once instead of waiting it out."""
     victim = RemoteEngine(auth_token=TOKEN)
     port = int(victim.address.rsplit(":", 1)[1])
-    backlog: list[socket.socket] = []
+    queued: list[socket.socket] = []
     try:
         with TransferEngine(auth_token=TOKEN, streams=1, timeout_s=120.0) as engine:
             region = engine.register(random_tensor(MiB, 22))
@@ -439,14 +452,8 @@ def test_closing_a_peer_ends_a_redial_whose_connect_gets_no_answer():
             engine.write(peer, region, 0, desc, 0, MiB).wait(timeout=60)  # the data connection is up
             os.kill(victim.process.pid, signal.SIGSTOP)
             try:
-                while not _syn_sent_to(port):  # fills the accept queue nobody drains now
-                    backlog.append(socket.socket())
-                    backlog[-1].setblocking(False)
-                    backlog[-1].connect_ex(("127.0.0.1", port))
-                    time.sleep(0.001)
-                for s in backlog:
-                    s.close()  # the queue stays full: closing a queued connection does not dequeue it
-                backlog.clear()
+                while not _accept_queue_full(port):  # nobody accepts now: each connection stays queued
+                    queued.append(socket.create_connection(("127.0.0.1", port), timeout=60))
                 engine._debug_kill_stream(peer, 0)
                 engine.write(peer, region, 0, desc, 0, MiB)  # dials again: its SYN gets no answer
                 deadline = time.monotonic() + 60
@@ -460,8 +467,8 @@ def test_closing_a_peer_ends_a_redial_whose_connect_gets_no_answer():
             finally:
                 os.kill(victim.process.pid, signal.SIGCONT)
     finally:
-        for s in backlog:
-            s.close()
+        for connection in queued:
+            connection.close()
         victim.close()
 
 
