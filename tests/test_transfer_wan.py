@@ -14,7 +14,7 @@ import time
 import pytest
 
 from pddcore.benchmarks.sink import read_info, write_info, desc_address
-from pddcore.testing.wan import WanLink, unavailable_reason
+from pddcore.testing.wan import WanLink, tbf_burst_bytes, unavailable_reason
 from pddcore.transfer import available_congestion_controls
 
 WAN_TOKEN = b"wan-test-token-9b4e7a2d5c1f80634e6a"
@@ -120,7 +120,10 @@ def test_streaming_sender_path_limited_rate_reads_the_link():
         stats = link.a.call(_streaming_source, info, piece, pieces, 0.05, timeout=120)
         sink.result(60)
     path_bps = 8 * stats["path_limited_bytes"] / stats["path_limited_seconds"]
-    assert stats["throughput_bps"] < path_bps <= 1.05 * line_bps, stats
+    # Each piece may start on the shaper's full bucket (the link idles between pieces), so
+    # a reading may exceed the rate by one bucket per piece over the path-limited time.
+    bucket_bps = 8 * tbf_burst_bytes(int(line_bps)) * pieces / stats["path_limited_seconds"]
+    assert stats["throughput_bps"] < path_bps <= 1.05 * line_bps + bucket_bps, stats
 
 
 @pytest.mark.skipif(not {"cubic", "bbr"} <= set(available_congestion_controls()), reason="needs cubic and bbr")
