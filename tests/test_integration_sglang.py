@@ -45,6 +45,8 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from pddcore.integrations import sglang as pdd  # noqa: E402
 from pddcore.transfer import TransferEngine  # noqa: E402
 
+from transfer_peer import Connects  # noqa: E402
+
 
 def _torchvision_stand_in() -> None:
     """``sglang.srt.mem_cache.memory_pool`` imports ``sglang.srt.configs``, whose ``__init__``
@@ -451,22 +453,14 @@ class _Frozen:
         self.resume()
 
 
-def _watch_connects(monkeypatch, mgr, address: str) -> tuple[threading.Event, threading.Event]:
-    """Events set when ``mgr``'s engine starts, and when it ends, a connect to ``address``."""
-    started, ended = threading.Event(), threading.Event()
-    connect = mgr.engine.connect
-
-    def watched(to: str, *args):
-        if to != address:
-            return connect(to, *args)
-        started.set()
-        try:
-            return connect(to, *args)
-        finally:
-            ended.set()
-
-    monkeypatch.setattr(mgr.engine, "connect", watched)
-    return started, ended
+def _registered_receiver(decode, port: int, room: int, pipe) -> "pdd.PDDKVReceiver":
+    """A receiver on ``decode`` for ``room`` of the prefill process behind ``pipe``
+    (:func:`prefill_side`), once that prefill reported the registration."""
+    receiver = pdd.PDDKVReceiver(decode, f"127.0.0.1:{port}", room, timeout_s=60)
+    _wait(lambda: receiver.poll() != KVPoll.Bootstrapping)
+    receiver.send_metadata(np.array([1, 2], dtype=np.int32), aux_index=0)
+    assert _receive(pipe)["registered"] == KVPoll.WaitingForInput
+    return receiver
 
 
 def test_a_receiver_failing_while_its_prefill_is_frozen_returns_at_once_and_tells_it_later(
@@ -482,17 +476,14 @@ def test_a_receiver_failing_while_its_prefill_is_frozen_returns_at_once_and_tell
     decode = pdd.PDDKVManager(Rank(mla=False, heads=2, total_heads=2, rank=0, publish_heads=False).args, "decode",
                               _server_args(_free_port()))
     try:
-        receiver = pdd.PDDKVReceiver(decode, f"127.0.0.1:{port}", room, timeout_s=60)
-        _wait(lambda: receiver.poll() != KVPoll.Bootstrapping)
-        receiver.send_metadata(np.array([1, 2], dtype=np.int32), aux_index=0)
-        assert _receive(pipe)["registered"] == KVPoll.WaitingForInput
-        connecting, connected = _watch_connects(monkeypatch, decode, prefill_address)
+        receiver = _registered_receiver(decode, port, room, pipe)
+        connects = Connects(monkeypatch, decode.engine, prefill_address)
         with _Frozen(prefill_pid) as frozen:
             decode.peers.connect(prefill_address).close()
             receiver.abort()
             assert receiver.poll() == KVPoll.Failed
-            assert not connected.is_set()  # returned while the notice's reconnect waits on the frozen peer
-            _wait(connecting.is_set)  # the notice is on its way, from another thread
+            assert not connects.ended.is_set()  # returned while the notice's reconnect waits on the frozen peer
+            _wait(connects.started.is_set)  # the notice is on its way, from another thread
             frozen.resume()
         result = _receive(pipe)
         assert result["state"] == KVPoll.Failed and "aborted by the decode side" in result["failure"], result
@@ -512,18 +503,15 @@ def test_the_message_thread_serves_other_peers_while_a_reconnect_waits_on_a_froz
     frozen_address = _receive(pipe)["address"]
     pair = Pair()
     try:
-        receiver = pdd.PDDKVReceiver(pair.decode, f"127.0.0.1:{port}", room, timeout_s=60)
-        _wait(lambda: receiver.poll() != KVPoll.Bootstrapping)
-        receiver.send_metadata(np.array([1, 2], dtype=np.int32), aux_index=0)
-        assert _receive(pipe)["registered"] == KVPoll.WaitingForInput
-        connecting, connected = _watch_connects(monkeypatch, pair.decode, frozen_address)
+        receiver = _registered_receiver(pair.decode, port, room, pipe)
+        connects = Connects(monkeypatch, pair.decode.engine, frozen_address)
         with _Frozen(prefill_pid):
             pair.decode.peers.connect(frozen_address).close()
             reconnect = threading.Thread(target=pair.decode.peers.connect, args=(frozen_address,), daemon=True)
             reconnect.start()
-            _wait(connecting.is_set)
+            _wait(connects.started.is_set)
             assert pair.move(room + 1, [3, 4], [5, 6]) == (KVPoll.Success, KVPoll.Success)
-            assert not connected.is_set()  # served while the reconnect still waits on the frozen peer
+            assert not connects.ended.is_set()  # served while the reconnect still waits on the frozen peer
         reconnect.join()
         receiver.abort()
         result = _receive(pipe)
@@ -561,11 +549,11 @@ def test_a_registration_from_a_rank_that_froze_before_the_first_connect_holds_up
         frozen_sender = pdd.PDDKVSender(pair.prefill, pair.addr, room)
         _wait(arrived.is_set, 120)  # the decode process starts (imports) first
         with _Frozen(decode_pid):
-            connecting, connected = _watch_connects(monkeypatch, pair.prefill, senders[0])
+            connects = Connects(monkeypatch, pair.prefill.engine, senders[0])
             release.set()
-            _wait(connecting.is_set)  # the check of the registration's address waits on the frozen rank
+            _wait(connects.started.is_set)  # the check of the registration's address waits on the frozen rank
             assert pair.move(room + 1, [3, 4], [5, 6]) == (KVPoll.Success, KVPoll.Success)
-            assert not connected.is_set()  # served while that connect still waits
+            assert not connects.ended.is_set()  # served while that connect still waits
             assert frozen_sender.poll() == KVPoll.Bootstrapping
         _wait(lambda: frozen_sender.poll() == KVPoll.WaitingForInput)  # its registration, filed
         frozen_sender.abort()

@@ -11,7 +11,6 @@ import os
 import random
 import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from pddcore.integrations.vllm.protocol import MAGIC as _MAGIC, MESSAGES  # noqa
 from pddcore.streaming import LayerStreamSender  # noqa: E402
 from pddcore.transfer import RegionDescriptor, TransferError  # noqa: E402
 
-from transfer_peer import RemoteEngine  # noqa: E402
+from transfer_peer import Connects, RemoteEngine  # noqa: E402
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS, EOS = 16, 2, 8, 3, 24, 2
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -1276,19 +1275,7 @@ def test_a_reserve_from_a_producer_that_froze_before_the_first_connect_holds_up_
     cw = make_worker(model_dir, "kv_consumer")
     frozen, live = RemoteEngine(listen="127.0.0.1:0"), TransferEngine()
     nbytes = cw.conn.layout.packed_nbytes(2)
-    started, ended = threading.Event(), threading.Event()
-    connect = cw.conn.engine.connect
-
-    def watched(to: str, *args):
-        if to != frozen.address:
-            return connect(to, *args)
-        started.set()
-        try:
-            return connect(to, *args)
-        finally:
-            ended.set()
-
-    monkeypatch.setattr(cw.conn.engine, "connect", watched)
+    connects = Connects(monkeypatch, cw.conn.engine, frozen.address)
     stopped = False
     try:
         received = cw.conn.engine.stats()["messages_received"]
@@ -1301,7 +1288,7 @@ def test_a_reserve_from_a_producer_that_froze_before_the_first_connect_holds_up_
         os.kill(frozen.process.pid, signal.SIGSTOP)
         stopped = True
         assert fake_reserve(live, cw.conn, "l-req", nbytes)["k"] == "reserved"
-        assert started.is_set() and not ended.is_set()  # answered while the connect waits on the frozen one
+        assert connects.started.is_set() and not connects.ended.is_set()  # answered while the connect waits on the frozen one
         assert not any(key == b"f-req" for _, key in cw.conn._reservations)
         os.kill(frozen.process.pid, signal.SIGCONT)
         stopped = False

@@ -26,7 +26,7 @@ from pddcore.integrations._peers import HeldMessages, NotKnownYet, Peers
 from pddcore.peer_cache import PeerCache
 from pddcore.transfer import Message, TransferEngine
 
-from transfer_peer import RemoteEngine
+from transfer_peer import Connects, RemoteEngine
 
 DEADLINE_S = 60  # only so that a regression fails instead of hanging; no speed is measured
 SCHEMA = MessageSchema(b"PDDT1", "peers test", key="req", key_check=is_str, kinds={"note": {"n": is_int}})
@@ -47,27 +47,6 @@ def remote():
     yield peer
     os.kill(peer.process.pid, signal.SIGCONT)
     peer.close()
-
-
-class Connects:
-    """Watches ``engine.connect`` to ``address``: ``started`` once one began, ``ended`` once
-    one returned or raised, ``count`` of them."""
-
-    def __init__(self, monkeypatch, engine: TransferEngine, address: str):
-        self.started, self.ended, self.count = threading.Event(), threading.Event(), 0
-        connect = engine.connect
-
-        def watched(to: str, *args):
-            if to != address:
-                return connect(to, *args)
-            self.count += 1
-            self.started.set()
-            try:
-                return connect(to, *args)
-            finally:
-                self.ended.set()
-
-        monkeypatch.setattr(engine, "connect", watched)
 
 
 def _wait_for_data_streams(engine: TransferEngine, address: str) -> None:

@@ -392,32 +392,6 @@ def test_frozen_peer_fails_after_timeout(backend):
         victim.close()
 
 
-def test_closing_a_peer_ends_a_redial_that_waits_on_it_frozen():
-    """A data connection redialled to a peer that froze waits for the handshake's answer up
-    to timeout_s; closing that peer ends the dial at once instead of waiting it out (tcp: the
-    rdma backend's data path dials no connection per stream)."""
-    victim = RemoteEngine(auth_token=TOKEN)
-    try:
-        with TransferEngine(auth_token=TOKEN, streams=1, timeout_s=120.0) as engine:
-            region = engine.register(random_tensor(MiB, 21))
-            _, desc = victim.call("region", MiB)
-            peer = engine.connect(victim.address)
-            engine.write(peer, region, 0, desc, 0, MiB).wait(timeout=60)  # the data connection is up
-            os.kill(victim.process.pid, signal.SIGSTOP)
-            try:
-                engine._debug_kill_stream(peer, 0)
-                engine.write(peer, region, 0, desc, 0, MiB)  # dials again: the hello waits for an answer
-                time.sleep(0.5)  # the stream's thread is inside the handshake by now
-                closed = threading.Event()
-                threading.Thread(target=lambda: (peer.close(), closed.set()), daemon=True).start()
-                # 120 s is the handshake's own deadline: a close that waits for it fails here
-                assert closed.wait(60), "closing the peer waited on the frozen peer's handshake"
-            finally:
-                os.kill(victim.process.pid, signal.SIGCONT)
-    finally:
-        victim.close()
-
-
 def _tcp_rows() -> list[list[str]]:
     with open("/proc/net/tcp") as f:
         return [line.split() for line in f.readlines()[1:]]
@@ -437,33 +411,39 @@ def _accept_queue_full(port: int) -> bool:
     return int(queued) > int(backlog)
 
 
-def test_closing_a_peer_ends_a_redial_whose_connect_gets_no_answer():
-    """A data connection redialled to a host that does not answer (here: a frozen peer whose
-    accept queue is full, so the kernel drops the SYN) waits in connect up to timeout_s;
-    closing that peer ends the connect at once instead of waiting it out."""
+@pytest.mark.parametrize("unanswered", ["handshake", "connect"])
+def test_closing_a_peer_ends_a_redial_that_gets_no_answer(unanswered):
+    """A data connection redialled to a peer that does not answer waits up to timeout_s: in the
+    handshake for a frozen process, in connect for a host that is down (here: a frozen process
+    whose accept queue is full, so the kernel drops the SYN). Closing that peer ends the dial at
+    once instead of waiting it out (tcp: the rdma backend's data path dials no connection per
+    stream)."""
     victim = RemoteEngine(auth_token=TOKEN)
     port = int(victim.address.rsplit(":", 1)[1])
     queued: list[socket.socket] = []
     try:
         with TransferEngine(auth_token=TOKEN, streams=1, timeout_s=120.0) as engine:
-            region = engine.register(random_tensor(MiB, 22))
+            region = engine.register(random_tensor(MiB, 21))
             _, desc = victim.call("region", MiB)
             peer = engine.connect(victim.address)
             engine.write(peer, region, 0, desc, 0, MiB).wait(timeout=60)  # the data connection is up
             os.kill(victim.process.pid, signal.SIGSTOP)
             try:
-                while not _accept_queue_full(port):  # nobody accepts now: each connection stays queued
+                while unanswered == "connect" and not _accept_queue_full(port):  # nobody accepts now
                     queued.append(socket.create_connection(("127.0.0.1", port), timeout=60))
                 engine._debug_kill_stream(peer, 0)
-                engine.write(peer, region, 0, desc, 0, MiB)  # dials again: its SYN gets no answer
-                deadline = time.monotonic() + 60
-                while not _syn_sent_to(port):
-                    assert time.monotonic() < deadline, "the redial never reached connect"
-                    time.sleep(0.005)
+                engine.write(peer, region, 0, desc, 0, MiB)  # dials again, and gets no answer
+                if unanswered == "connect":
+                    deadline = time.monotonic() + 60
+                    while not _syn_sent_to(port):
+                        assert time.monotonic() < deadline, "the redial never reached connect"
+                        time.sleep(0.005)
+                else:
+                    time.sleep(0.5)  # the stream's thread is inside the handshake by now
                 closed = threading.Event()
                 threading.Thread(target=lambda: (peer.close(), closed.set()), daemon=True).start()
-                # 120 s is the connect's own deadline: a close that waits for it fails here
-                assert closed.wait(60), "closing the peer waited on a connect nobody answers"
+                # 120 s is the dial's own deadline: a close that waits for it fails here
+                assert closed.wait(60), f"closing the peer waited on a {unanswered} nobody answers"
             finally:
                 os.kill(victim.process.pid, signal.SIGCONT)
     finally:

@@ -1,10 +1,13 @@
 """A transfer engine in its own process, driven over a multiprocessing pipe, so tests move
-bytes between two real processes over real sockets. Used by test_transfer_*.py."""
+bytes between two real processes over real sockets (:class:`RemoteEngine`), and a watch on
+an engine's connects to one address (:class:`Connects`), for tests that freeze such a peer.
+Used by test_transfer_*.py, test_peers.py and the adapters' integration tests."""
 
 from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import threading
 import time
 from typing import Any
 
@@ -95,3 +98,24 @@ class RemoteEngine:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+
+
+class Connects:
+    """Watches ``engine.connect`` to ``address`` (through pytest's ``monkeypatch``): ``started``
+    once one began, ``ended`` once one returned or raised, ``count`` of them."""
+
+    def __init__(self, monkeypatch, engine: Any, address: str):
+        self.started, self.ended, self.count = threading.Event(), threading.Event(), 0
+        connect = engine.connect
+
+        def watched(to: str, *args):
+            if to != address:
+                return connect(to, *args)
+            self.count += 1
+            self.started.set()
+            try:
+                return connect(to, *args)
+            finally:
+                self.ended.set()
+
+        monkeypatch.setattr(engine, "connect", watched)

@@ -657,7 +657,7 @@ void TcpBackend::stop_link(const LinkPtr& link) {
     link->stopping = true;
     for (auto& stream : link->streams) {
       if (stream->socket) stream->socket->shutdown();
-      stream->dial_abort.abort();  // a handshake with a frozen peer would hold the join for timeout_s
+      stream->dial_abort.abort();  // a dial waiting on a silent peer would hold the join for timeout_s
     }
   }
   link->cv.notify_all();
